@@ -1,0 +1,31 @@
+"""icrl-kernels: fused Triton kernels for in-context reinforcement learning transformers.
+
+Every op has a readable eager reference (the spec), a Triton forward and backward registered as a
+torch custom op, a public function and a thin module. CUDA tensors run Triton; CPU tensors run eager
+PyTorch, or the Triton interpreter when ``TRITON_INTERPRET=1``; ``backend=`` overrides.
+"""
+
+from ._backend import BACKENDS, resolve_backend
+from .modules import NGramAttention
+from .ngram import (
+    NGramDecodeState,
+    NGramPlan,
+    ngram_attention,
+    ngram_attention_reference,
+    ngram_plan,
+    transition_ids,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "NGramAttention",
+    "NGramDecodeState",
+    "NGramPlan",
+    "ngram_attention",
+    "ngram_attention_reference",
+    "ngram_plan",
+    "resolve_backend",
+    "transition_ids",
+]

@@ -1,0 +1,71 @@
+"""Backend selection shared by every op.
+
+``backend="auto"`` picks Triton for CUDA tensors, Triton through its CPU interpreter when
+``TRITON_INTERPRET=1`` is set (that is how CI exercises the kernels), and eager PyTorch otherwise.
+``"triton"``, ``"eager"`` and ``"reference"`` force a path:
+
+* ``"reference"``: the readable fp32 reference that defines the op (may be O(L^2) or slower);
+* ``"eager"``: an eager PyTorch version of the fast algorithm (what CPUs run by default);
+* ``"triton"``: the fused Triton kernels (CUDA, or the interpreter).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Literal
+
+import torch
+
+Backend = Literal["auto", "triton", "eager", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "triton", "eager", "reference")
+
+
+def triton_interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` asks Triton to run kernels on the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (it is Linux-only)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on tensors of ``device`` in this process."""
+    if not triton_available():
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and triton_interpreter_enabled()
+
+
+def resolve_backend(backend: str, device: torch.device, *, has_eager: bool = True) -> str:
+    """Turn a user's ``backend=`` argument into ``"triton"``, ``"eager"`` or ``"reference"``.
+
+    Args:
+        backend: one of ``"auto"``, ``"triton"``, ``"eager"``, ``"reference"``.
+        device: the device of the op's inputs.
+        has_eager: whether the op has an eager fast path; without one ``"eager"`` means the reference.
+
+    Raises:
+        ValueError: unknown backend, or ``"triton"`` where Triton cannot run.
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if triton_runs_on(device):
+            return "triton"
+        backend = "eager"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend='triton' needs the triton package, which is not installed")
+        if not triton_runs_on(device):
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (got device {device}) "
+                "or TRITON_INTERPRET=1 set before triton is imported"
+            )
+        return "triton"
+    if backend == "eager" and not has_eager:
+        return "reference"
+    return backend

@@ -1,0 +1,89 @@
+"""Argument checks shared by every public function: errors name the offending argument."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def check_tensor(
+    value: object,
+    name: str,
+    *,
+    ndim: int | Iterable[int] | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    nonempty: bool = False,
+) -> torch.Tensor:
+    """Check that ``value`` is a tensor with an allowed rank and dtype; return it.
+
+    Raises:
+        TypeError: not a tensor, or a dtype outside ``dtypes``.
+        ValueError: wrong number of dimensions, or an empty tensor when ``nonempty``.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if value.dim() not in allowed:
+            want = " or ".join(f"{d}-D" for d in allowed)
+            raise ValueError(f"{name} must be {want}, got shape {tuple(value.shape)}")
+    if dtypes is not None:
+        allowed_dtypes = tuple(dtypes)
+        if value.dtype not in allowed_dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in allowed_dtypes)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(value.dtype).replace('torch.', '')}")
+    if nonempty and value.numel() == 0:
+        raise ValueError(f"{name} must not be empty, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_shape(value: torch.Tensor, name: str, expected: tuple[int, ...], described_as: str) -> None:
+    """Raise ``ValueError`` unless ``value.shape == expected`` (``described_as`` says what it must match)."""
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {described_as} = {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Raise ``ValueError`` unless every tensor lives on one device; return that device."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, tensor in items[1:]:
+        if tensor.device != first.device:
+            raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}; move them to one device")
+    return first.device
+
+
+def check_int(value: object, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
+    """Check an integer argument (bool is rejected) against optional bounds; return it as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    if max_value is not None and value > max_value:
+        raise ValueError(f"{name} must be <= {max_value}, got {value}")
+    return value
+
+
+def check_positive_float(value: object, name: str) -> float:
+    """Check a strictly positive, finite real number (e.g. a temperature); return it as ``float``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0.0 and value != float("inf")):
+        raise ValueError(f"{name} must be > 0 and finite, got {value}")
+    return value
+
+
+def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
+    """Check that ``value`` is one of the allowed strings; return it."""
+    options = tuple(choices)
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,58 @@
+"""``NGramAttention``: the n-gram induction-head layer of N-Gram AD as a drop-in ``nn.Module``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._backend import BACKENDS
+from .._validation import check_choice, check_int
+from ..ngram import NGramDecodeState, ngram_attention
+from ..ngram.plan import NGramPlan
+
+
+class NGramAttention(nn.Module):
+    """``forward(h, ids) = W_a(A(n) h) + W_h(h)`` with ``A(n)`` the n-gram match pattern.
+
+    ``A(n)`` is hard-coded from token ids (see :func:`icrl_kernels.ngram_attention`); the two
+    ``nn.Linear(d_model, d_model)`` maps are the layer's only parameters. Stack layers with different
+    ``n`` (the paper uses n = 1, 2, 3 or 1, 2, 4).
+
+    Args:
+        d_model: feature width ``D``.
+        n: n-gram length, ``>= 1``.
+        bias: whether the two linear maps have a bias.
+        backend: ``"auto"``, ``"triton"``, ``"eager"`` or ``"reference"`` (see ``ngram_attention``).
+
+    Shapes:
+        ``h [B, L, D]``, ``ids [B, L]`` (int, negative = padding) -> ``[B, L, D]``.
+    """
+
+    def __init__(self, d_model: int, n: int, bias: bool = True, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.d_model = check_int(d_model, "d_model", min_value=1)
+        self.n = check_int(n, "n", min_value=1)
+        self.backend = check_choice(backend, "backend", BACKENDS)
+        self.attn_proj = nn.Linear(d_model, d_model, bias=bias)  # W_a
+        self.skip_proj = nn.Linear(d_model, d_model, bias=bias)  # W_h
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, *, plan: NGramPlan | None = None) -> torch.Tensor:
+        mixed = ngram_attention(h, ids, self.n, backend=self.backend, plan=plan)
+        return self.attn_proj(mixed) + self.skip_proj(h)
+
+    def init_decode_state(self, batch_size: int, max_len: int, *, device=None, dtype=None) -> NGramDecodeState:
+        """A fresh :class:`NGramDecodeState` for :meth:`step` (defaults: the layer's device and dtype)."""
+        weight = self.attn_proj.weight
+        return NGramDecodeState(
+            batch_size, self.d_model, self.n, max_len,
+            device=device if device is not None else weight.device,
+            dtype=dtype if dtype is not None else weight.dtype,
+        )  # fmt: skip
+
+    def step(self, state: NGramDecodeState, h_t: torch.Tensor, ids_t: torch.Tensor) -> torch.Tensor:
+        """One position of :meth:`forward` for incremental decoding: ``h_t [B, D]``, ``ids_t [B]`` -> ``[B, D]``."""
+        mixed = state.step(h_t, ids_t).to(h_t.dtype)
+        return self.attn_proj(mixed) + self.skip_proj(h_t)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, n={self.n}, backend={self.backend!r}"

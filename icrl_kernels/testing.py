@@ -1,0 +1,61 @@
+"""Test helpers shared by every op's parity tests (importable by downstream projects too)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from . import _library
+
+#: Relative-RMS tolerance by input dtype (DESIGN.md section 6).
+RMS_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+@contextlib.contextmanager
+def poisoned_outputs() -> Iterator[None]:
+    """Within the block, kernel outputs start as NaN (floats) / -1 (ints) instead of uninitialised memory."""
+    previous = _library.set_output_poisoning(True)
+    try:
+        yield
+    finally:
+        _library.set_output_poisoning(previous)
+
+
+def relative_rms_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in float64 (``expected`` all zero: the absolute norm)."""
+    actual64, expected64 = actual.detach().double(), expected.detach().double()
+    diff = torch.linalg.vector_norm(actual64 - expected64).item()
+    scale = torch.linalg.vector_norm(expected64).item()
+    return diff / scale if scale > 0 else diff
+
+
+def assert_close_rel(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    rms_tol: float | None = None,
+    max_abs_tol: float | None = None,
+    name: str = "output",
+) -> None:
+    """Assert ``actual`` matches ``expected`` by relative RMS error and by max absolute error.
+
+    Shapes must agree and ``actual`` must not contain NaN or inf where ``expected`` is finite.
+    ``rms_tol`` defaults to :data:`RMS_TOLERANCE` of ``actual.dtype``; ``max_abs_tol`` defaults to
+    ``50 * rms_tol * max(1, max|expected|)``, which catches a single badly wrong element that the RMS
+    would average away.
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    finite = torch.isfinite(expected)
+    bad = ~torch.isfinite(actual) & finite
+    assert not bad.any(), f"{name}: {int(bad.sum())} non-finite values (e.g. unwritten, NaN-poisoned elements)"
+    if rms_tol is None:
+        rms_tol = RMS_TOLERANCE[actual.dtype]
+    err = relative_rms_error(actual, expected)
+    assert err <= rms_tol, f"{name}: relative RMS error {err:.3e} > {rms_tol:.1e}"
+    scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
+    if max_abs_tol is None:
+        max_abs_tol = 50 * rms_tol * scale
+    max_abs = (actual.detach().double() - expected.detach().double()).abs().max().item() if expected.numel() else 0.0
+    assert max_abs <= max_abs_tol, f"{name}: max abs error {max_abs:.3e} > {max_abs_tol:.1e}"
