@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 
 from . import _library
+from ._backend import triton_available, triton_interpreter_enabled
 
 #: Relative-RMS tolerance by input dtype (DESIGN.md section 6).
 RMS_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -59,3 +60,19 @@ def assert_close_rel(
         max_abs_tol = 50 * rms_tol * scale
     max_abs = (actual.detach().double() - expected.detach().double()).abs().max().item() if expected.numel() else 0.0
     assert max_abs <= max_abs_tol, f"{name}: max abs error {max_abs:.3e} > {max_abs_tol:.1e}"
+
+
+def triton_devices() -> list:
+    """Devices on which the Triton path can run in this process, as pytest parameters.
+
+    ``"cpu"`` when Triton's interpreter is on (``TRITON_INTERPRET=1``), ``"cuda"`` (marked ``gpu``)
+    when a CUDA device is present.
+    """
+    import pytest
+
+    devices: list = []
+    if triton_available() and triton_interpreter_enabled():
+        devices.append("cpu")
+    if torch.cuda.is_available():
+        devices.append(pytest.param("cuda", marks=pytest.mark.gpu))
+    return devices
