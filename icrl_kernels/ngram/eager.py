@@ -1,9 +1,9 @@
 """Eager PyTorch version of the sort + segmented-sum algorithm (the CPU default).
 
-Same plan and same math as the Triton kernels, written with ``gather`` / ``cumsum`` / ``scatter``.
-Segment sums come from float64 prefix sums (a difference of two float64 prefixes is accurate to
-~1e-16 of the prefix, far below fp32 rounding), processed in chunks of the feature dimension so
-memory stays O(B * L * chunk).
+Same plan and same math as the Triton kernels, written with row gathers (``index_select``),
+``cumsum`` and row scatters (``index_copy_``). Segment sums come from float64 prefix sums (a
+difference of two float64 prefixes is accurate to ~1e-16 of the prefix, far below fp32 rounding),
+processed in chunks of the feature dimension so memory stays O(B * L * chunk).
 """
 
 from __future__ import annotations
@@ -22,18 +22,10 @@ def _feature_chunks(batch: int, length: int, dim: int) -> list[tuple[int, int]]:
     return [(lo, min(dim, lo + width)) for lo in range(0, dim, width)]
 
 
-def _shift_down(x: torch.Tensor) -> torch.Tensor:
-    """``out[:, k] = x[:, k - 1]`` along dim 1, zero at ``k = 0``."""
-    return torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0))
-
-
-def _shift_up(x: torch.Tensor) -> torch.Tensor:
-    """``out[:, k] = x[:, k + 1]`` along dim 1, zero at the end."""
-    return torch.nn.functional.pad(x[:, 1:], (0, 0, 0, 1))
-
-
-def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+def _flat_rows(index: torch.Tensor, rows_per_batch: int) -> torch.Tensor:
+    """Per-batch row indices ``[B, L]`` into indices of the flattened ``[B * rows_per_batch]`` rows."""
+    offsets = torch.arange(index.shape[0], device=index.device).unsqueeze(1) * rows_per_batch
+    return (index + offsets).reshape(-1)
 
 
 def _inverse_count(perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -42,25 +34,34 @@ def _inverse_count(perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count_sorted > 0, 1.0 / count_sorted.clamp(min=1), 0.0).unsqueeze(-1)
 
 
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    """``[B, L, C] -> [B * (L + 1), C]`` float64 with a zero row after each batch's rows."""
+    return torch.nn.functional.pad(x.double(), (0, 0, 0, 1)).reshape(-1, x.shape[-1])
+
+
 def ngram_forward_eager(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Output ``[B, L, D]`` of n-gram attention from a plan (see :mod:`.plan`)."""
     batch, length, dim = h.shape
     position = torch.arange(length, device=h.device).expand(batch, length)
     starts = (meta & SEGMENT_START) != 0
-    previous_adjacent = ((meta & PREVIOUS_ADJACENT) != 0).unsqueeze(-1)
     segment_start = torch.where(starts, position, torch.zeros_like(position)).cummax(dim=1).values
+    segment_start_rows = _flat_rows(segment_start, length)
+    previous_adjacent = ((meta[:, 1:] & PREVIOUS_ADJACENT) != 0).unsqueeze(-1).double()
+    value_rows = _flat_rows(perm + 1, length + 1)  # the key at sorted k carries h[t_k + 1]
+    out_rows = _flat_rows(perm, length)
     inverse_count = _inverse_count(perm, count)
-    inverse_perm = torch.empty_like(perm).scatter_(1, perm, position.contiguous())
 
     out = empty_output((batch, length, dim), dtype=h.dtype, device=h.device)
     for lo, hi in _feature_chunks(batch, length, dim):
-        padded = torch.nn.functional.pad(h[:, :, lo:hi].double(), (0, 0, 0, 1))  # row L is the zero key value
-        values = _gather_rows(padded, perm + 1)  # value of the key at sorted k: h[t_k + 1]
-        exclusive = values.cumsum(dim=1) - values
-        segment_sum = exclusive - _gather_rows(exclusive, segment_start)
+        values = _with_zero_row(h[:, :, lo:hi]).index_select(0, value_rows).view(batch, length, hi - lo)
+        segment_sum = values.cumsum(dim=1).sub_(values)  # exclusive prefix sums
+        segment_sum.sub_(segment_sum.view(-1, hi - lo).index_select(0, segment_start_rows).view_as(values))
         # The previous element of the segment at t - 1 is the key j = i: strictly excluded.
-        segment_sum = segment_sum - previous_adjacent * _shift_down(values)
-        out[:, :, lo:hi] = _gather_rows(segment_sum * inverse_count, inverse_perm).to(h.dtype)
+        segment_sum[:, 1:].sub_(values[:, :-1] * previous_adjacent)
+        segment_sum.mul_(inverse_count)
+        chunk = torch.empty((batch * length, hi - lo), dtype=h.dtype, device=h.device)
+        chunk.index_copy_(0, out_rows, segment_sum.view(-1, hi - lo).to(h.dtype))
+        out[:, :, lo:hi] = chunk.view(batch, length, hi - lo)
     return out
 
 
@@ -74,21 +75,24 @@ def ngram_backward_eager(
     ends = torch.ones_like(starts)
     ends[:, :-1] = starts[:, 1:]
     segment_last = torch.where(ends, position, torch.full_like(position, length - 1))
-    segment_last = segment_last.flip(1).cummin(dim=1).values.flip(1)
-    next_adjacent = torch.zeros_like(starts)
-    next_adjacent[:, :-1] = (meta[:, 1:] & PREVIOUS_ADJACENT) != 0
-    has_key = ((meta & VALID_NGRAM) != 0) & (perm + 1 < length)
-    key_scale = has_key.unsqueeze(-1).double()
+    segment_last_rows = _flat_rows(segment_last.flip(1).cummin(dim=1).values.flip(1), length)
+    next_adjacent = ((meta[:, 1:] & PREVIOUS_ADJACENT) != 0).unsqueeze(-1).double()
+    has_key = (((meta & VALID_NGRAM) != 0) & (perm + 1 < length)).unsqueeze(-1).double()
+    query_rows = _flat_rows(perm, length)
+    key_rows = _flat_rows(perm + 1, length + 1)
     inverse_count = _inverse_count(perm, count)
 
     grad_h = empty_output((batch, length, dim), dtype=grad_out.dtype, device=grad_out.device)
     for lo, hi in _feature_chunks(batch, length, dim):
-        weights = _gather_rows(grad_out[:, :, lo:hi].double(), perm) * inverse_count  # query at sorted k
+        flat_grad = grad_out[:, :, lo:hi].reshape(-1, hi - lo)
+        weights = flat_grad.index_select(0, query_rows).view(batch, length, hi - lo).double().mul_(inverse_count)
         inclusive = weights.cumsum(dim=1)
-        later_sum = _gather_rows(inclusive, segment_last) - inclusive
+        later_sum = inclusive.view(-1, hi - lo).index_select(0, segment_last_rows).view_as(inclusive).sub_(inclusive)
         # The next element of the segment at t + 1 is the query i = j: strictly excluded.
-        later_sum = (later_sum - next_adjacent.unsqueeze(-1) * _shift_up(weights)) * key_scale
-        padded = torch.zeros((batch, length + 1, hi - lo), dtype=torch.float64, device=grad_out.device)
-        padded.scatter_(1, (perm + 1).unsqueeze(-1).expand(-1, -1, hi - lo), later_sum)
-        grad_h[:, :, lo:hi] = padded[:, :length].to(grad_out.dtype)
+        later_sum[:, :-1].sub_(weights[:, 1:] * next_adjacent)
+        later_sum.mul_(has_key)
+        # Key at sorted k writes row t_k + 1; row 0 (no key ends before it) and the spare row L stay 0.
+        chunk = torch.zeros((batch * (length + 1), hi - lo), dtype=torch.float64, device=grad_out.device)
+        chunk.index_copy_(0, key_rows, later_sum.view(-1, hi - lo))
+        grad_h[:, :, lo:hi] = chunk.view(batch, length + 1, hi - lo)[:, :length].to(grad_out.dtype)
     return grad_h
