@@ -50,6 +50,7 @@ def differentiable_op(
     backward_fake: Callable[..., Any],
     save: Callable[[tuple, Any], tuple],
     grad_inputs: Sequence[int],
+    differentiable_outputs: int | None = None,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -63,6 +64,8 @@ def differentiable_op(
             ``backward`` needs after the forward's gradients.
         grad_inputs: for each gradient ``backward`` returns, the index of the forward input it belongs
             to; every other input gets ``None``.
+        differentiable_outputs: how many leading outputs of a tuple-returning forward receive
+            gradients (the rest, e.g. integer side outputs saved for the backward, are not passed on).
 
     Returns:
         ``(forward_op, backward_op)``, callables that dispatch through ``torch.ops.icrl``.
@@ -83,7 +86,7 @@ def differentiable_op(
         saved = list(ctx.constants)
         for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
             saved[slot] = tensor
-        grads = _as_tuple(backward_op(*grad_outputs, *saved))
+        grads = _as_tuple(backward_op(*grad_outputs[:differentiable_outputs], *saved))
         result: list[Any] = [None] * ctx.num_inputs
         for index, grad in zip(grad_inputs, grads):
             result[index] = grad

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from icrl_kernels import NGramAttention, ngram_attention, ngram_attention_reference, resolve_backend, transition_ids
-from icrl_kernels.ngram.function import ngram_attention_backward_op, ngram_attention_op
+from icrl_kernels.ngram.function import (
+    TILED_MAX_LENGTH,
+    ngram_attention_backward_op,
+    ngram_attention_op,
+    ngram_attention_tiled_backward_op,
+    ngram_attention_tiled_op,
+)
 from icrl_kernels.ngram.plan import _ngram_plan_op, build_ngram_plan
 from icrl_kernels.testing import assert_close_rel, triton_devices
 
@@ -88,6 +94,23 @@ def test_opcheck(impl):
     torch.library.opcheck(_ngram_plan_op, (ids, 2))
     torch.library.opcheck(ngram_attention_op, (h.requires_grad_(True), perm, meta, count, impl))
     torch.library.opcheck(ngram_attention_backward_op, (torch.randn_like(h), perm, meta, count, impl))
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_opcheck_tiled():
+    h, ids = _inputs(length=21, dim=6)
+    torch.library.opcheck(ngram_attention_tiled_op, (h.requires_grad_(True), ids, 2))
+    _, count = ngram_attention_tiled_op(h, ids, 2)
+    torch.library.opcheck(ngram_attention_tiled_backward_op, (torch.randn_like(h), ids, count, 2))
+
+
+def test_algorithm_argument():
+    h, ids = _inputs()
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        ngram_attention(h, ids, 1, algorithm="dense")
+    with pytest.raises(ValueError, match="algorithm='tiled' needs the Triton backend"):
+        ngram_attention(h, ids, 1, backend="eager", algorithm="tiled")
+    assert TILED_MAX_LENGTH >= 1
 
 
 @pytest.mark.parametrize("impl", IMPLS)

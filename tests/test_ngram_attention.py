@@ -16,7 +16,12 @@ from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
 from icrl_kernels.testing import assert_close_rel, triton_devices
 
-FAST_PATHS = [("eager", "cpu")] + [("triton", device) for device in triton_devices()]
+FAST_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
+    pytest.param("triton", algorithm, device, id=f"triton-{algorithm}-{getattr(device, 'values', [device])[0]}",
+                 marks=getattr(device, "marks", ()))
+    for device in triton_devices()
+    for algorithm in ("sort", "tiled")
+]  # fmt: skip
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -27,11 +32,11 @@ def random_ids(batch: int, length: int, vocab: int, *, generator: torch.Generato
     return ids
 
 
-def check_parity(h: torch.Tensor, ids: torch.Tensor, n: int, backend: str, *, plan=None) -> None:
-    """Output and gradient of ``backend`` against the reference on the same inputs."""
+def check_parity(h: torch.Tensor, ids: torch.Tensor, n: int, backend: str, algorithm="auto", *, plan=None) -> None:
+    """Output and gradient of ``backend`` / ``algorithm`` against the reference on the same inputs."""
     h = h.detach().requires_grad_(True)
     h_ref = h.detach().clone().requires_grad_(True)
-    out = ngram_attention(h, ids, n, backend=backend, plan=plan)
+    out = ngram_attention(h, ids, n, backend=backend, plan=plan, algorithm=algorithm)
     ref = ngram_attention_reference(h_ref, ids, n)
     assert out.dtype == h.dtype and out.shape == h.shape
     assert_close_rel(out, ref, name=f"{backend} output")
@@ -41,7 +46,7 @@ def check_parity(h: torch.Tensor, ids: torch.Tensor, n: int, backend: str, *, pl
     assert_close_rel(grad, grad_ref, name=f"{backend} grad_h")
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "batch,length,dim,vocab,n,padding",
@@ -53,11 +58,11 @@ def check_parity(h: torch.Tensor, ids: torch.Tensor, n: int, backend: str, *, pl
         (2, 50, 13, 3, 8, 0.0),
     ],
 )
-def test_parity_random(backend, device, dtype, batch, length, dim, vocab, n, padding):
+def test_parity_random(backend, algorithm, device, dtype, batch, length, dim, vocab, n, padding):
     gen = torch.Generator().manual_seed(1000 * length + 10 * n + dim)
     ids = random_ids(batch, length, vocab, generator=gen, padding=padding).to(device)
     h = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
-    check_parity(h, ids, n, backend)
+    check_parity(h, ids, n, backend, algorithm)
 
 
 def _edge_cases(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
@@ -76,13 +81,13 @@ def _edge_cases(gen: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
     }
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
 @pytest.mark.parametrize("case", list(_edge_cases(torch.Generator())))
-def test_parity_edge_cases(backend, device, case):
+def test_parity_edge_cases(backend, algorithm, device, case):
     gen = torch.Generator().manual_seed(7)
     ids, n = _edge_cases(gen)[case]
     h = torch.randn(*ids.shape, 17, generator=gen)
-    check_parity(h.to(device), ids.to(device), n, backend)
+    check_parity(h.to(device), ids.to(device), n, backend, algorithm)
 
 
 def test_reference_pattern_by_hand():
@@ -103,23 +108,23 @@ def test_reference_pattern_by_hand():
     assert out.tolist() == [0.0, 0.0, 1.0, 2.0, 2.0, 0.0, 3.0]
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_row_without_match_is_exactly_zero(backend, device):
+@pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
+def test_row_without_match_is_exactly_zero(backend, algorithm, device):
     ids = torch.tensor([[0, 1, 2, 3, 0, 1, 9, 9]], device=device)
     h = torch.randn(1, 8, 5, device=device)
-    out = ngram_attention(h, ids, 1, backend=backend)
+    out = ngram_attention(h, ids, 1, backend=backend, algorithm=algorithm)
     matched = ngram_match_matrix(ids, 1).any(-1)[0]
     assert torch.equal(out[0, ~matched], torch.zeros_like(out[0, ~matched]))
     assert (out[0, matched].abs() > 0).all()
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_shared_plan_matches_fresh_plan(backend, device):
+@pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
+def test_shared_plan_matches_fresh_plan(backend, algorithm, device):
     gen = torch.Generator().manual_seed(3)
     ids = random_ids(2, 50, 4, generator=gen).to(device)
     plan = ngram_plan(ids, 2)
     h = torch.randn(2, 50, 9, generator=gen).to(device)
-    check_parity(h, ids, 2, backend, plan=plan)
+    check_parity(h, ids, 2, backend, "sort", plan=plan)
 
 
 def test_key_packing_and_ranking_agree():
@@ -172,6 +177,7 @@ def test_property_eager_matches_reference(batch, length, dim, vocab, n, padding,
 @pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
 @settings(max_examples=12, deadline=None)
 @given(
+    algorithm=st.sampled_from(["sort", "tiled"]),
     length=st.integers(1, 70),
     dim=st.integers(1, 40),
     vocab=st.integers(1, 5),
@@ -179,11 +185,11 @@ def test_property_eager_matches_reference(batch, length, dim, vocab, n, padding,
     padding=st.sampled_from([0.0, 0.2]),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_property_triton_matches_reference(length, dim, vocab, n, padding, seed):
+def test_property_triton_matches_reference(algorithm, length, dim, vocab, n, padding, seed):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(seed)
     ids = random_ids(2, length, vocab, generator=gen, padding=padding)
-    check_parity(torch.randn(2, length, dim, generator=gen).to(device), ids.to(device), n, "triton")
+    check_parity(torch.randn(2, length, dim, generator=gen).to(device), ids.to(device), n, "triton", algorithm)
 
 
 def _brute_force_rows(h: torch.Tensor, ids: torch.Tensor, n: int, rows: list[int]) -> torch.Tensor:

@@ -10,6 +10,7 @@ from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     KERNEL_FLOAT_DTYPES,
+    check_choice,
     check_int,
     check_same_device,
     check_shape,
@@ -67,6 +68,45 @@ ngram_attention_op, ngram_attention_backward_op = differentiable_op(
 )
 
 
+def _tiled_forward(h: torch.Tensor, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .tiled_kernels import ngram_tiled_forward_triton
+
+    return ngram_tiled_forward_triton(h, ids, n)
+
+
+def _tiled_forward_fake(h, ids, n):
+    return torch.empty_like(h), ids.new_empty(ids.shape, dtype=torch.int32)
+
+
+def _tiled_backward(grad_out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
+    from .tiled_kernels import ngram_tiled_backward_triton
+
+    return ngram_tiled_backward_triton(grad_out, ids, count, n)
+
+
+def _tiled_backward_fake(grad_out, ids, count, n):
+    return torch.empty_like(grad_out)
+
+
+ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
+    "ngram_attention_tiled",
+    forward=_tiled_forward,
+    forward_fake=_tiled_forward_fake,
+    backward=_tiled_backward,
+    backward_fake=_tiled_backward_fake,
+    save=lambda inputs, output: (inputs[1], output[1], inputs[2]),  # (ids, count, n)
+    grad_inputs=(0,),
+    differentiable_outputs=1,
+)
+
+ALGORITHMS = ("auto", "sort", "tiled")
+
+#: Up to this context length the ``"auto"`` algorithm of the Triton backend is the tiled kernel.
+#: An estimate (no GPU measurement yet): the tiled kernel does O(L^2 D) work in two launches, the
+#: sort path O(L D) memory traffic plus a sort and a dozen small launches.
+TILED_MAX_LENGTH = 512
+
+
 def ngram_attention(
     h: torch.Tensor,
     ids: torch.Tensor,
@@ -74,6 +114,7 @@ def ngram_attention(
     *,
     backend: str = "auto",
     plan: NGramPlan | None = None,
+    algorithm: str = "auto",
 ) -> torch.Tensor:
     """N-gram induction-head attention ``A(n) @ h`` (no projections), exact, in O(L log L + L D).
 
@@ -89,6 +130,9 @@ def ngram_attention(
         backend: ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else eager),
             ``"triton"``, ``"eager"`` (sort + prefix sums in PyTorch) or ``"reference"`` (dense O(L^2)).
         plan: a precomputed :func:`ngram_plan` of ``(ids, n)``, to share the sort across layers.
+        algorithm: Triton backend only: ``"sort"`` (sort + segmented sums, O(L log L + L D)),
+            ``"tiled"`` (on-the-fly mask tiles, O(L^2 D), no sort) or ``"auto"`` (tiled up to
+            ``TILED_MAX_LENGTH`` positions unless a plan is given, sort beyond).
 
     Returns:
         ``[B, L, D]`` in ``h.dtype``; differentiable w.r.t. ``h`` (ids get no gradient).
@@ -99,11 +143,19 @@ def ngram_attention(
     check_same_device(h=h, ids=ids)
     if h.shape[2] == 0:
         raise ValueError(f"h must have a non-empty feature dimension, got shape {tuple(h.shape)}")
+    check_choice(algorithm, "algorithm", ALGORITHMS)
     impl = resolve_backend(backend, h.device)
+    if algorithm == "tiled" and impl != "triton":
+        raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
     if impl == "reference":
         return ngram_attention_reference(h, ids, n)
-    if impl == "triton" and h.dtype not in KERNEL_FLOAT_DTYPES:
-        raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
+    if impl == "triton":
+        if h.dtype not in KERNEL_FLOAT_DTYPES:
+            raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
+        if algorithm == "auto":
+            algorithm = "tiled" if plan is None and h.shape[1] <= TILED_MAX_LENGTH else "sort"
+        if algorithm == "tiled":
+            return ngram_attention_tiled_op(h, ids, n)[0]
     if plan is None:
         plan = NGramPlan(*_ngram_plan_op(ids, n))
     else:
