@@ -55,7 +55,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     first_name, first = items[0]
     for name, tensor in items[1:]:
         if tensor.device != first.device:
-            raise ValueError(f"{name} is on {tensor.device} but {first_name} is on {first.device}; move them to one device")
+            raise ValueError(
+                f"{name} is on {tensor.device} but {first_name} is on {first.device}; move them to one device"
+            )
     return first.device
 
 

@@ -68,7 +68,7 @@ def run(config: DemoConfig) -> list[dict]:
         ids = random_histories(config.batch, length, gen).to(device)
         h = torch.randn(config.batch, length, config.dim, generator=gen).to(device).requires_grad_(True)
 
-        def fwd_bwd(backend: str) -> torch.Tensor:
+        def fwd_bwd(backend: str, h: torch.Tensor = h, ids: torch.Tensor = ids) -> torch.Tensor:
             out = ngram_attention(h, ids, config.n, backend=backend)
             out.sum().backward()
             return out

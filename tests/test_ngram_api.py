@@ -26,6 +26,7 @@ def _inputs(batch=2, length=9, dim=5, vocab=3, seed=0):
 
 # --- bad input ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "make_args,error,match",
     [
@@ -87,6 +88,7 @@ def test_int32_ids_accepted():
 
 # --- custom-op registration ----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck(impl):
     h, ids = _inputs(length=21, dim=6)
@@ -139,6 +141,7 @@ def test_torch_export_module():
 
 # --- module ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_module_matches_definition(bias):
     torch.manual_seed(1)
@@ -164,6 +167,7 @@ def test_module_rejects_bad_config():
 
 # --- token ids ---------------------------------------------------------------------------------
 
+
 def test_transition_ids_bijective_and_padding():
     states, actions, rewards = torch.meshgrid(torch.arange(4), torch.arange(5), torch.arange(2), indexing="ij")
     ids = transition_ids(states, actions, rewards, num_states=4, num_actions=5, num_rewards=2)
@@ -177,7 +181,9 @@ def test_transition_ids_bijective_and_padding():
 
 def test_transition_ids_errors():
     with pytest.raises(ValueError, match="actions must be < 5"):
-        transition_ids(torch.tensor([0]), torch.tensor([5]), torch.tensor([0]), num_states=1, num_actions=5, num_rewards=2)
+        transition_ids(
+            torch.tensor([0]), torch.tensor([5]), torch.tensor([0]), num_states=1, num_actions=5, num_rewards=2
+        )
     with pytest.raises(ValueError, match="states must be < 3"):
         transition_ids(torch.tensor([3]), num_states=3, mode="state")
     with pytest.raises(ValueError, match="needs actions and rewards"):

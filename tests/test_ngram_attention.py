@@ -25,7 +25,9 @@ FAST_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def random_ids(batch: int, length: int, vocab: int, *, generator: torch.Generator, padding: float = 0.0) -> torch.Tensor:
+def random_ids(
+    batch: int, length: int, vocab: int, *, generator: torch.Generator, padding: float = 0.0
+) -> torch.Tensor:
     ids = torch.randint(0, vocab, (batch, length), generator=generator)
     if padding > 0:
         ids[torch.rand(batch, length, generator=generator) < padding] = -1

@@ -41,7 +41,7 @@ def test_decode_reset_rows():
     ids = torch.randint(0, 3, (2, 30), generator=gen)
     h = torch.randn(2, 30, 5, generator=gen)
     state = NGramDecodeState(2, 5, 1, max_len=30)
-    for i in range(10):
+    for _ in range(10):
         state.step(torch.randn(2, 5, generator=gen), torch.randint(0, 3, (2,), generator=gen))
     state.reset(torch.tensor([True, True]))
     stepped = torch.stack([state.step(h[:, i], ids[:, i]) for i in range(20)], dim=1)

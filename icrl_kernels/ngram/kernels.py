@@ -76,7 +76,8 @@ def _ngram_forward_kernel(
         has_value = k_ok & (t + 1 < L)
         values = tl.load(
             h_row + (t + 1)[:, None] * stride_hl + cols[None, :],
-            mask=has_value[:, None] & col_ok[None, :], other=0.0,
+            mask=has_value[:, None] & col_ok[None, :],
+            other=0.0,
         ).to(tl.float32)
         running, carry = _segment_running_sum(values, starts, carry, BLOCK_L)
 
@@ -84,7 +85,8 @@ def _ngram_forward_kernel(
         excluded = k_ok & previous_adjacent & (count > 0)
         own = tl.load(
             h_row + t[:, None] * stride_hl + cols[None, :],
-            mask=excluded[:, None] & col_ok[None, :], other=0.0,
+            mask=excluded[:, None] & col_ok[None, :],
+            other=0.0,
         ).to(tl.float32)
         total = running - values - own
         mean = tl.where((count > 0)[:, None], total / tl.maximum(count, 1).to(tl.float32)[:, None], 0.0)
@@ -125,19 +127,27 @@ def _ngram_backward_kernel(
 
         count = tl.load(count_ptr + plan_row + t, mask=k_ok, other=0)
         is_query = k_ok & (count > 0)
-        weights = tl.load(
-            grad_out_row + t[:, None] * stride_gl + cols[None, :],
-            mask=is_query[:, None] & col_ok[None, :], other=0.0,
-        ).to(tl.float32) / tl.maximum(count, 1).to(tl.float32)[:, None]
+        weights = (
+            tl.load(
+                grad_out_row + t[:, None] * stride_gl + cols[None, :],
+                mask=is_query[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            / tl.maximum(count, 1).to(tl.float32)[:, None]
+        )
         running, carry = _segment_running_sum(weights, starts, carry, BLOCK_L)
 
         # Exclude the query i = j (the next segment element, at t + 1).
         count_next = tl.load(count_ptr + plan_row + t + 1, mask=next_adjacent, other=0)
         excluded = next_adjacent & (count_next > 0)
-        next_weights = tl.load(
-            grad_out_row + (t + 1)[:, None] * stride_gl + cols[None, :],
-            mask=excluded[:, None] & col_ok[None, :], other=0.0,
-        ).to(tl.float32) / tl.maximum(count_next, 1).to(tl.float32)[:, None]
+        next_weights = (
+            tl.load(
+                grad_out_row + (t + 1)[:, None] * stride_gl + cols[None, :],
+                mask=excluded[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            / tl.maximum(count_next, 1).to(tl.float32)[:, None]
+        )
         total = running - weights - next_weights
 
         has_key_row = k_ok & (t + 1 < L)

@@ -72,7 +72,8 @@ def _ngram_tiled_forward_kernel(
         match = _match_tile(ids_row, query, key, L, n)
         values = tl.load(
             h_row + key[:, None] * stride_hl + cols[None, :],
-            mask=(key < L)[:, None] & col_ok[None, :], other=0.0,
+            mask=(key < L)[:, None] & col_ok[None, :],
+            other=0.0,
         )
         if HALF_DOT:
             acc += tl.dot(match.to(values.dtype), values)
@@ -115,7 +116,8 @@ def _ngram_tiled_backward_kernel(
         count = tl.load(count_ptr + row * L + query, mask=query < L, other=0)
         grad = tl.load(
             grad_out_row + query[:, None] * stride_gl + cols[None, :],
-            mask=((query < L) & (count > 0))[:, None] & col_ok[None, :], other=0.0,
+            mask=((query < L) & (count > 0))[:, None] & col_ok[None, :],
+            other=0.0,
         )
         weights = grad.to(tl.float32) / tl.maximum(count, 1).to(tl.float32)[:, None]
         match_t = tl.trans(match)

@@ -51,7 +51,9 @@ def transition_ids(
         for name, value, size in (("actions", actions, num_actions), ("rewards", rewards, num_rewards)):
             check_tensor(value, name, dtypes=INT_DTYPES)
             if value.shape != states.shape:
-                raise ValueError(f"{name} must have the shape of states {tuple(states.shape)}, got {tuple(value.shape)}")
+                raise ValueError(
+                    f"{name} must have the shape of states {tuple(states.shape)}, got {tuple(value.shape)}"
+                )
             check_same_device(states=states, **{name: value})
             parts.append((name, value.long(), check_int(size, f"num_{name}", min_value=1)))
     padding = torch.zeros(states.shape, dtype=torch.bool, device=states.device)
