@@ -13,7 +13,7 @@ import torch
 from .._library import empty_output
 from .plan import PREVIOUS_ADJACENT, SEGMENT_START, VALID_NGRAM
 
-_ELEMENTS_PER_CHUNK = 1 << 24
+_ELEMENTS_PER_CHUNK = 1 << 19  # 4 MiB float64 slabs: reused by the allocator, no fresh page faults per call
 
 
 def _feature_chunks(batch: int, length: int, dim: int) -> list[tuple[int, int]]:
@@ -36,7 +36,24 @@ def _inverse_count(perm: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     """``[B, L, C] -> [B * (L + 1), C]`` float64 with a zero row after each batch's rows."""
-    return torch.nn.functional.pad(x.double(), (0, 0, 0, 1)).reshape(-1, x.shape[-1])
+    batch, length, width = x.shape
+    padded = torch.empty((batch, length + 1, width), dtype=torch.float64, device=x.device)
+    padded[:, :length] = x
+    padded[:, length] = 0
+    return padded.view(-1, width)
+
+
+def _inverse_rows(perm: torch.Tensor, rows_per_batch: int, shift: int = 0) -> torch.Tensor:
+    """Flat indices that undo the sort: row ``perm[b, k] + shift`` of batch ``b`` reads sorted row ``k``.
+
+    Original rows no sorted row maps to (``r < shift``) read the spare zero row ``rows_per_batch - 1``
+    that the caller appends to each batch.
+    """
+    batch, length = perm.shape
+    inverse = torch.full((batch, length + shift), rows_per_batch - 1, dtype=perm.dtype, device=perm.device)
+    sorted_position = torch.arange(length, device=perm.device).expand(batch, length)
+    inverse.scatter_(1, perm + shift, sorted_position)
+    return _flat_rows(inverse[:, :length], rows_per_batch)
 
 
 def ngram_forward_eager(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -48,7 +65,7 @@ def ngram_forward_eager(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor,
     segment_start_rows = _flat_rows(segment_start, length)
     previous_adjacent = ((meta[:, 1:] & PREVIOUS_ADJACENT) != 0).unsqueeze(-1).double()
     value_rows = _flat_rows(perm + 1, length + 1)  # the key at sorted k carries h[t_k + 1]
-    out_rows = _flat_rows(perm, length)
+    out_rows = _inverse_rows(perm, length)
     inverse_count = _inverse_count(perm, count)
 
     out = empty_output((batch, length, dim), dtype=h.dtype, device=h.device)
@@ -59,9 +76,7 @@ def ngram_forward_eager(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor,
         # The previous element of the segment at t - 1 is the key j = i: strictly excluded.
         segment_sum[:, 1:].sub_(values[:, :-1] * previous_adjacent)
         segment_sum.mul_(inverse_count)
-        chunk = torch.empty((batch * length, hi - lo), dtype=h.dtype, device=h.device)
-        chunk.index_copy_(0, out_rows, segment_sum.view(-1, hi - lo).to(h.dtype))
-        out[:, :, lo:hi] = chunk.view(batch, length, hi - lo)
+        out[:, :, lo:hi] = segment_sum.view(-1, hi - lo).index_select(0, out_rows).view(batch, length, hi - lo)
     return out
 
 
@@ -79,7 +94,8 @@ def ngram_backward_eager(
     next_adjacent = ((meta[:, 1:] & PREVIOUS_ADJACENT) != 0).unsqueeze(-1).double()
     has_key = (((meta & VALID_NGRAM) != 0) & (perm + 1 < length)).unsqueeze(-1).double()
     query_rows = _flat_rows(perm, length)
-    key_rows = _flat_rows(perm + 1, length + 1)
+    # Row t + 1 of grad_h reads the key at t's sorted position; row 0 (no key ends before it) reads a zero row.
+    key_rows = _inverse_rows(perm, length + 1, shift=1)
     inverse_count = _inverse_count(perm, count)
 
     grad_h = empty_output((batch, length, dim), dtype=grad_out.dtype, device=grad_out.device)
@@ -91,8 +107,5 @@ def ngram_backward_eager(
         # The next element of the segment at t + 1 is the query i = j: strictly excluded.
         later_sum[:, :-1].sub_(weights[:, 1:] * next_adjacent)
         later_sum.mul_(has_key)
-        # Key at sorted k writes row t_k + 1; row 0 (no key ends before it) and the spare row L stay 0.
-        chunk = torch.zeros((batch * (length + 1), hi - lo), dtype=torch.float64, device=grad_out.device)
-        chunk.index_copy_(0, key_rows, later_sum.view(-1, hi - lo))
-        grad_h[:, :, lo:hi] = chunk.view(batch, length + 1, hi - lo)[:, :length].to(grad_out.dtype)
+        grad_h[:, :, lo:hi] = _with_zero_row(later_sum).index_select(0, key_rows).view(batch, length, hi - lo)
     return grad_h
