@@ -221,3 +221,13 @@ def test_long_context_eager_is_exact_and_subquadratic():
     rows = [0, 1, 2, 5000, 12_345, 39_998, 39_999] + torch.randint(0, length, (20,), generator=gen).tolist()
     expected = _brute_force_rows(h[0], ids[0], n, rows)
     assert_close_rel(out[0, rows], expected.float(), name="long-context rows")
+
+
+@pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
+def test_non_contiguous_inputs(backend, algorithm, device):
+    """Strided views (a transposed h, every other id) give the same result as contiguous copies."""
+    gen = torch.Generator().manual_seed(13)
+    h = torch.randn(2, 21, 66, generator=gen).to(device).transpose(1, 2)  # [2, 66, 21], not contiguous
+    ids = random_ids(2, 132, 3, generator=gen).to(device)[:, ::2]
+    assert not h.is_contiguous() and not ids.is_contiguous()
+    check_parity(h, ids, 2, backend, algorithm)

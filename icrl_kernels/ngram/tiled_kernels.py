@@ -120,15 +120,14 @@ def _ngram_tiled_backward_kernel(
             other=0.0,
         )
         weights = grad.to(tl.float32) / tl.maximum(count, 1).to(tl.float32)[:, None]
-        match_t = tl.trans(match)
         if HALF_DOT:
             high = weights.to(grad.dtype)
             low = (weights - high.to(tl.float32)).to(grad.dtype)
-            pattern = match_t.to(grad.dtype)
-            acc += tl.dot(pattern, high)
-            acc += tl.dot(pattern, low)
+            pattern_t = tl.trans(match.to(grad.dtype))
+            acc += tl.dot(pattern_t, high)
+            acc += tl.dot(pattern_t, low)
         else:
-            acc += tl.dot(match_t.to(tl.float32), weights, input_precision="ieee")
+            acc += tl.dot(tl.trans(match.to(tl.float32)), weights, input_precision="ieee")
     tl.store(
         grad_h_ptr + row * stride_hb + key[:, None] * stride_hl + cols[None, :],
         acc.to(grad_h_ptr.dtype.element_ty),
