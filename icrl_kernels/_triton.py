@@ -19,6 +19,3 @@ def autotune(configs: Sequence[triton.Config], key: Sequence[str], **kwargs):
         configs = list(configs)[:1]
     return triton.autotune(configs=list(configs), key=list(key), **kwargs)
 
-
-def next_power_of_2(value: int) -> int:
-    return triton.next_power_of_2(max(1, int(value)))
