@@ -18,4 +18,3 @@ def autotune(configs: Sequence[triton.Config], key: Sequence[str], **kwargs):
     if triton_interpreter_enabled():
         configs = list(configs)[:1]
     return triton.autotune(configs=list(configs), key=list(key), **kwargs)
-
