@@ -1,0 +1,92 @@
+"""``icrl-data``: generate, inspect and check learning-history datasets.
+
+Examples::
+
+    icrl-data generate --env dark_room --num-histories 1000 --output data/dark_room-train.icrl
+    icrl-data generate --env key_to_door --num-tasks 100 --num-histories 750 --episode-length 40 -o k2d.icrl
+    icrl-data generate --env bernoulli_bandit --split test --distribution mirrored -o bandit-mirrored.icrl
+    icrl-data info data/dark_room-train.icrl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from ..config import add_config_arguments, config_from_args
+from .generate import GenerateConfig, generate_histories
+from .histories import DatasetError, LearningHistories
+from .storage import load_histories, save_histories
+
+
+def learning_summary(histories: LearningHistories) -> dict[str, float]:
+    """Mean return of the first and last tenth of every history, and of an optimal policy.
+
+    Multi-episode histories compare episode returns; single-episode ones (bandits) compare the reward
+    per step, with the optimal return divided by the episode length.
+    """
+    optimal = np.asarray(histories.task_params["optimal_return"], dtype=np.float64)
+    if histories.metadata["num_episodes"] > 1:
+        returns = histories.episode_returns()
+        tenth = max(1, returns.shape[1] // 10)
+        return {
+            "first_return": float(np.nanmean(returns[:, :tenth])),
+            "last_return": float(np.nanmean(returns[:, -tenth:])),
+            "optimal_return": float(optimal.mean()),
+            "last_fraction_of_optimal": float(np.nanmean(returns[:, -tenth:].mean(axis=1) / optimal)),
+        }
+    rewards = np.asarray(histories.rewards, dtype=np.float64)
+    tenth = max(1, histories.max_length // 10)
+    return {
+        "first_reward_per_step": float(rewards[:, :tenth].mean()),
+        "last_reward_per_step": float(rewards[:, -tenth:].mean()),
+        "optimal_reward_per_step": float(optimal.mean() / histories.max_length),
+    }
+
+
+def _describe(histories: LearningHistories) -> str:
+    meta = histories.metadata
+    lines = [
+        f"env          {meta['env']['name']} {json.dumps(meta['env']['config'])}",
+        f"generator    {meta['generator']['name']} {json.dumps(meta['generator']['config'])}",
+        f"split        {meta['split']} (seed {meta['seed']})",
+        f"histories    {histories.num_histories} x {meta['num_episodes']} episodes, "
+        f"{histories.num_transitions:,} transitions, {np.unique(histories.task_ids).size} distinct tasks",
+    ]
+    lines += [f"{name:<12} {value:.4g}" for name, value in learning_summary(histories).items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="icrl-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="run a source algorithm and write its learning histories")
+    add_config_arguments(generate, GenerateConfig)
+    generate.add_argument("-o", "--output", required=True, help="dataset file to write (atomically)")
+    generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    info = commands.add_parser("info", help="validate a dataset and print what it holds")
+    info.add_argument("path")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "generate":
+            config = config_from_args(GenerateConfig, args)
+            start = time.perf_counter()
+            histories = generate_histories(config, progress=not args.no_progress)
+            path = save_histories(histories, args.output)
+            print(_describe(histories))
+            print(f"wrote        {path} in {time.perf_counter() - start:.1f} s")
+        else:
+            print(_describe(load_histories(args.path)))
+    except (DatasetError, ValueError, FileNotFoundError) as error:
+        print(f"icrl-data: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

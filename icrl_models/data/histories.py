@@ -1,0 +1,196 @@
+"""Learning histories: what a source RL algorithm saw and did while it learned one task each.
+
+:class:`LearningHistories` holds ``H`` histories of up to ``T`` steps as dense arrays (a history that
+ends early, e.g. Key-to-Door episodes that terminate, is padded after ``lengths[h]``). Step ``t`` of
+history ``h`` is the transition ``(states[h, t], actions[h, t], rewards[h, t])``: the observation the
+action was chosen in, the action (a global action id), and the reward it earned; ``dones[h, t]`` marks
+the last step of an episode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+#: Version of the dataset layout (arrays and metadata keys); bump on an incompatible change.
+FORMAT_VERSION = 1
+ARRAY_FIELDS = ("states", "actions", "rewards", "dones", "lengths", "task_ids", "action_sets")
+REQUIRED_METADATA = ("format_version", "env", "generator", "seed", "split", "num_episodes")
+REQUIRED_ENV_METADATA = ("name", "config", "num_actions", "num_observations", "observation_dim", "reward_range")
+
+
+class DatasetError(ValueError):
+    """A learning-history file or object is malformed: truncated, corrupt, or not what was expected."""
+
+
+@dataclasses.dataclass
+class LearningHistories:
+    """``H`` learning histories of up to ``T`` steps (see the module docstring).
+
+    Attributes:
+        states: ``[H, T]`` integer observation ids, or ``[H, T, observation_dim]`` float32 vectors.
+        actions: ``[H, T]`` int16 global action ids.
+        rewards: ``[H, T]`` float32.
+        dones: ``[H, T]`` bool, True on the last step of every episode.
+        lengths: ``[H]`` int64 number of recorded steps; later steps are padding (zeros).
+        task_ids: ``[H]`` int64 task of each history (see :mod:`icrl_models.envs.splits`).
+        action_sets: ``[H, A]`` int16 action ids available in each history, padded with -1.
+        task_params: per-history task description, ``name -> [H, ...]`` (goal cells, arm means, ...).
+        metadata: JSON-serialisable description: env, generator and their settings, seed, split, ...
+    """
+
+    states: np.ndarray
+    actions: np.ndarray
+    rewards: np.ndarray
+    dones: np.ndarray
+    lengths: np.ndarray
+    task_ids: np.ndarray
+    action_sets: np.ndarray
+    task_params: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+
+    @property
+    def num_histories(self) -> int:
+        return int(self.actions.shape[0])
+
+    @property
+    def max_length(self) -> int:
+        return int(self.actions.shape[1])
+
+    @property
+    def num_transitions(self) -> int:
+        return int(np.sum(self.lengths))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Every array, task parameters under ``task/<name>``."""
+        arrays = {name: getattr(self, name) for name in ARRAY_FIELDS}
+        arrays.update({f"task/{name}": value for name, value in self.task_params.items()})
+        return arrays
+
+    def episode_returns(self) -> np.ndarray:
+        """``[H, E]`` float64 return of every episode of every history, NaN after a history's last episode."""
+        done = np.asarray(self.dones, dtype=bool)
+        episode_of_step = np.cumsum(done, axis=1) - done  # episode index of each step
+        valid = np.arange(self.max_length)[None, :] < np.asarray(self.lengths)[:, None]
+        num_episodes = done.sum(axis=1)
+        returns = np.zeros((self.num_histories, max(int(num_episodes.max(initial=0)), 1)))
+        rows = np.broadcast_to(np.arange(self.num_histories)[:, None], done.shape)
+        complete = valid & (episode_of_step < num_episodes[:, None])
+        np.add.at(returns, (rows[complete], episode_of_step[complete]), np.asarray(self.rewards)[complete])
+        returns[np.arange(returns.shape[1])[None, :] >= num_episodes[:, None]] = np.nan
+        return returns
+
+    def subset(self, indices) -> LearningHistories:
+        """The histories ``indices`` (a copy), with the same metadata."""
+        indices = np.asarray(indices)
+        return dataclasses.replace(
+            self,
+            **{name: np.asarray(getattr(self, name))[indices] for name in ARRAY_FIELDS},
+            task_params={name: np.asarray(value)[indices] for name, value in self.task_params.items()},
+        )
+
+    def validate(self) -> None:
+        """Check shapes, dtypes, value ranges and metadata; raise :class:`DatasetError` naming the problem."""
+        _validate(self)
+
+
+def _fail(message: str) -> None:
+    raise DatasetError(message)
+
+
+def _validate(histories: LearningHistories) -> None:
+    meta = histories.metadata
+    missing = [key for key in REQUIRED_METADATA if key not in meta]
+    if missing:
+        _fail(f"metadata lacks {missing}")
+    if meta["format_version"] != FORMAT_VERSION:
+        _fail(f"format_version {meta['format_version']} is not supported (this library reads {FORMAT_VERSION})")
+    env = meta["env"]
+    missing = [key for key in REQUIRED_ENV_METADATA if key not in env]
+    if missing:
+        _fail(f"metadata['env'] lacks {missing}")
+
+    actions = histories.actions
+    if actions.ndim != 2:
+        _fail(f"actions must be [H, T], got shape {actions.shape}")
+    num_histories, length = actions.shape
+    obs_dim = int(env["observation_dim"])
+    state_shape = (num_histories, length, obs_dim) if obs_dim else (num_histories, length)
+    expected_shapes = {
+        "states": state_shape,
+        "rewards": (num_histories, length),
+        "dones": (num_histories, length),
+        "lengths": (num_histories,),
+        "task_ids": (num_histories,),
+    }
+    for name, shape in expected_shapes.items():
+        if getattr(histories, name).shape != shape:
+            _fail(f"{name} must have shape {shape}, got {getattr(histories, name).shape}")
+    sets = histories.action_sets
+    if sets.ndim != 2 or sets.shape[0] != num_histories or sets.shape[1] == 0:
+        _fail(f"action_sets must be [{num_histories}, A] with A >= 1, got shape {sets.shape}")
+    for name, value in histories.task_params.items():
+        if value.shape[:1] != (num_histories,):
+            _fail(f"task/{name} must have {num_histories} rows, got shape {value.shape}")
+
+    expected_kinds = {
+        "states": "f" if obs_dim else "iu",
+        "actions": "iu",
+        "rewards": "f",
+        "dones": "b",
+        "lengths": "iu",
+        "task_ids": "iu",
+        "action_sets": "iu",
+    }
+    for name, kinds in expected_kinds.items():
+        if getattr(histories, name).dtype.kind not in kinds:
+            _fail(f"{name} has dtype {getattr(histories, name).dtype}, expected kind {kinds!r}")
+
+    lengths = np.asarray(histories.lengths)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > length):
+        _fail(f"lengths must lie in [1, {length}], got [{lengths.min()}, {lengths.max()}]")
+    valid = np.arange(length)[None, :] < lengths[:, None]
+
+    num_actions = int(env["num_actions"])
+    if sets.min() < -1 or sets.max() >= num_actions:
+        _fail(f"action_sets must hold ids in [0, {num_actions}) or -1 padding")
+    if np.any(sets[:, 0] < 0):
+        _fail("every history needs at least one available action (action_sets row is all padding)")
+    available = np.zeros((num_histories, num_actions + 1), dtype=bool)
+    available[np.arange(num_histories)[:, None], np.where(sets >= 0, sets, num_actions)] = True
+    action_ids = np.where(valid, actions, 0).astype(np.int64)
+    if action_ids.min() < 0 or action_ids.max() >= num_actions:
+        _fail(f"actions must lie in [0, {num_actions}), got [{action_ids.min()}, {action_ids.max()}]")
+    allowed = np.take_along_axis(available, action_ids, axis=1) | ~valid
+    if not allowed.all():
+        row, step = np.argwhere(~allowed)[0]
+        _fail(f"history {row} step {step}: action {actions[row, step]} is not in its action set")
+
+    states = np.asarray(histories.states)
+    if obs_dim:
+        if not np.isfinite(states[valid]).all():
+            _fail("states hold NaN or infinite values")
+    else:
+        num_obs = int(env["num_observations"])
+        observed = states[valid]
+        if observed.size and (observed.min() < 0 or observed.max() >= num_obs):
+            _fail(f"states must lie in [0, {num_obs}), got [{observed.min()}, {observed.max()}]")
+
+    rewards = np.asarray(histories.rewards)[valid]
+    low, high = (float(v) for v in env["reward_range"])
+    if not np.isfinite(rewards).all():
+        _fail("rewards hold NaN or infinite values")
+    if rewards.size and (rewards.min() < low or rewards.max() > high):
+        _fail(f"rewards must lie in [{low}, {high}], got [{rewards.min()}, {rewards.max()}]")
+
+    dones = np.asarray(histories.dones)
+    if np.any(dones & ~valid):
+        _fail("dones marks a step past a history's length")
+    last = dones[np.arange(num_histories), lengths - 1] if num_histories else np.zeros(0, bool)
+    if not last.all():
+        _fail(f"history {int(np.argmin(last))} does not end with a finished episode (dones at its last step)")
+    episodes = dones.sum(axis=1)
+    if np.any(episodes != int(meta["num_episodes"])):
+        _fail(f"every history must hold num_episodes={meta['num_episodes']} episodes, found {np.unique(episodes)}")

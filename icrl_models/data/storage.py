@@ -1,0 +1,178 @@
+"""One-file storage for :class:`~icrl_models.data.histories.LearningHistories`.
+
+Layout (little-endian)::
+
+    b"ICRLHIST"            8-byte magic
+    header_size            uint64
+    header                 UTF-8 JSON: {"metadata": {...}, "arrays": {name: {dtype, shape, offset, nbytes, crc32}}}
+    array bytes            each array C-contiguous at its offset (64-byte aligned), in header order
+
+Files are written atomically (a temporary file in the same folder, fsync, then rename), so an
+interrupted run never leaves a file that looks complete. Loading checks the magic, the header, the
+file size against the arrays it declares, every array's CRC-32, and then the contents
+(:meth:`LearningHistories.validate`); any problem raises :class:`DatasetError` naming it. Arrays are
+memory-mapped by default, so a dataset larger than memory can be sampled without reading it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
+
+MAGIC = b"ICRLHIST"
+ALIGNMENT = 64
+_CRC_CHUNK = 1 << 24
+
+
+def _crc32(array: np.ndarray) -> int:
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    crc = 0
+    for start in range(0, flat.size, _CRC_CHUNK):
+        crc = zlib.crc32(flat[start : start + _CRC_CHUNK], crc)
+    return crc
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def save_histories(histories: LearningHistories, path: str | os.PathLike) -> Path:
+    """Validate ``histories`` and write them to ``path`` atomically; returns the path."""
+    histories.validate()
+    path = Path(path)
+    arrays = {name: np.ascontiguousarray(value) for name, value in histories.arrays().items()}
+    table: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for name, array in arrays.items():
+        offset = _aligned(offset)
+        table[name] = {
+            "dtype": array.dtype.str,
+            "shape": list(array.shape),
+            "offset": offset,
+            "nbytes": array.nbytes,
+            "crc32": _crc32(array),
+        }
+        offset += array.nbytes
+    header = json.dumps({"metadata": histories.metadata, "arrays": table}).encode()
+    data_start = _aligned(len(MAGIC) + 8 + len(header))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            for name, array in arrays.items():
+                file.seek(data_start + table[name]["offset"])
+                file.write(array.reshape(-1).view(np.uint8).data)
+            file.truncate(data_start + offset)
+            file.flush()
+            os.fsync(file.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
+    """The parsed header of a history file and the offset where its array bytes start."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no learning-history file at {path}")
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        prefix = file.read(len(MAGIC) + 8)
+        if len(prefix) < len(MAGIC) + 8 or prefix[: len(MAGIC)] != MAGIC:
+            raise DatasetError(f"{path} is not a learning-history file (bad magic bytes or shorter than its header)")
+        (header_size,) = struct.unpack("<Q", prefix[len(MAGIC) :])
+        if len(MAGIC) + 8 + header_size > size:
+            raise DatasetError(f"{path} is truncated: its header alone needs {header_size} bytes")
+        try:
+            header = json.loads(file.read(header_size).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DatasetError(f"{path} has a corrupt header: {error}") from None
+    if not isinstance(header, dict) or not {"metadata", "arrays"} <= set(header):
+        raise DatasetError(f"{path} has a header without 'metadata' and 'arrays'")
+    return header, _aligned(len(MAGIC) + 8 + header_size)
+
+
+def load_histories(
+    path: str | os.PathLike,
+    *,
+    mmap: bool = True,
+    verify: bool = True,
+    expect: dict[str, Any] | None = None,
+) -> LearningHistories:
+    """Load histories written by :func:`save_histories`.
+
+    Args:
+        path: the file.
+        mmap: memory-map the arrays (read-only) instead of reading them into memory.
+        verify: check every array's CRC-32 and validate the contents (reads the whole file once).
+        expect: metadata the file must have, e.g. ``{"env": {"name": "dark_room"}, "split": "train"}``
+            (nested dicts match by the keys given); a mismatch raises :class:`DatasetError`.
+    """
+    path = Path(path)
+    header, data_start = read_header(path)
+    size = path.stat().st_size
+    arrays: dict[str, np.ndarray] = {}
+    for name, entry in header["arrays"].items():
+        try:
+            dtype, shape = np.dtype(entry["dtype"]), tuple(int(v) for v in entry["shape"])
+            offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise DatasetError(f"{path}: header entry of array {name!r} is malformed ({error})") from None
+        if dtype.itemsize * int(np.prod(shape)) != nbytes:
+            raise DatasetError(f"{path}: array {name!r} declares {nbytes} bytes for shape {shape} of {dtype}")
+        end = data_start + offset + nbytes
+        if end > size:
+            raise DatasetError(f"{path} is truncated: array {name!r} ends at byte {end}, the file has {size}")
+        if nbytes == 0:
+            array = np.zeros(shape, dtype=dtype)
+        elif mmap:
+            array = np.memmap(path, dtype=dtype, mode="r", offset=data_start + offset, shape=shape)
+        else:
+            array = np.fromfile(path, dtype=dtype, count=int(np.prod(shape)), offset=data_start + offset).reshape(shape)
+        if verify and _crc32(array) != entry.get("crc32"):
+            raise DatasetError(f"{path}: array {name!r} fails its checksum (the file is corrupt)")
+        arrays[name] = array
+
+    missing = [name for name in ARRAY_FIELDS if name not in arrays]
+    if missing:
+        raise DatasetError(f"{path} lacks the arrays {missing}")
+    histories = LearningHistories(
+        **{name: arrays[name] for name in ARRAY_FIELDS},
+        task_params={name[len("task/") :]: value for name, value in arrays.items() if name.startswith("task/")},
+        metadata=header["metadata"],
+    )
+    if verify:
+        try:
+            histories.validate()
+        except DatasetError as error:
+            raise DatasetError(f"{path}: {error}") from None
+    if expect:
+        _check_expected(path, histories.metadata, expect, prefix="")
+    return histories
+
+
+def _check_expected(path: Path, metadata: Any, expect: dict[str, Any], prefix: str) -> None:
+    for key, wanted in expect.items():
+        name = f"{prefix}{key}"
+        if not isinstance(metadata, dict) or key not in metadata:
+            raise DatasetError(f"{path}: metadata has no {name!r} (expected {wanted!r})")
+        if isinstance(wanted, dict):
+            _check_expected(path, metadata[key], wanted, prefix=f"{name}.")
+        elif metadata[key] != wanted:
+            raise DatasetError(f"{path}: metadata {name!r} is {metadata[key]!r}, expected {wanted!r}")

@@ -1,0 +1,134 @@
+"""Single-environment API with gymnasium's ``reset`` / ``step`` conventions.
+
+Each registered id wraps one environment of the batched implementation, so both APIs share dynamics:
+
+=============================== ====================================================
+``icrl/DarkRoom-v0``            ``goal`` (cell id), ``size``, ``episode_length``
+``icrl/KeyToDoor-v0``           ``key``, ``door``, ``size``, ``episode_length``
+``icrl/DarkRoomComposite-v0``   ``goal``, ``action_set`` (a set name or global ids), ``split_seed``
+``icrl/BernoulliBandit-v0``     ``means`` (one per arm), ``episode_length``
+``icrl/ContextualBandit-v0``    ``arms`` (``[num_arms, dim]``), ``noise_std``, ``episode_length``
+=============================== ====================================================
+
+``reset(seed=...)`` reseeds the environment's generator; ``step`` returns ``(observation, reward,
+terminated, truncated, info)``. Actions are indices into the environment's own action list: for
+composite Darkroom ``info["action_ids"]`` at reset maps them to global ids. The ids are registered
+with gymnasium when :mod:`icrl_models.envs` is imported and gymnasium is installed, so
+``gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0", goal=10)`` works from a fresh interpreter.
+Without gymnasium the classes still work, without ``action_space`` / ``observation_space``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .bandits import BernoulliBandit, ContextualBandit
+from .base import BatchedEnv
+from .composite_dark_room import ACTION_SET_NAMES, CompositeDarkRoom, composite_action_sets
+from .dark_room import DarkRoom
+from .key_to_door import KeyToDoor
+
+try:
+    import gymnasium
+    from gymnasium import spaces
+except ImportError:  # gymnasium is optional
+    gymnasium = None
+
+_Base = gymnasium.Env if gymnasium is not None else object
+
+
+class SingleEnv(_Base):
+    """One environment of a batched env (``num_envs == 1``) behind gymnasium's API.
+
+    Args:
+        batched: the environment, with exactly one task.
+        action_ids: the global action id of each local action index (default: every action of
+            ``batched`` that its action mask allows, in id order).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, batched: BatchedEnv, action_ids=None) -> None:
+        if batched.num_envs != 1:
+            raise ValueError(f"SingleEnv wraps a batched env with num_envs == 1, got {batched.num_envs}")
+        self.batched = batched
+        if action_ids is None:
+            action_ids = np.flatnonzero(batched.action_mask()[0])
+        self.action_ids = np.asarray(action_ids, dtype=np.int64)
+        if gymnasium is not None:
+            self.action_space = spaces.Discrete(self.action_ids.size)
+            if batched.observation_dim:
+                self.observation_space = spaces.Box(-np.inf, np.inf, (batched.observation_dim,), np.float32)
+            else:
+                self.observation_space = spaces.Discrete(batched.num_observations)
+
+    def _observation(self, observations: np.ndarray):
+        return observations[0] if self.batched.observation_dim else int(observations[0])
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if gymnasium is not None:
+            super().reset(seed=seed)
+        if seed is not None:
+            self.batched.rng = np.random.default_rng(seed)
+        observations = self.batched.reset()
+        return self._observation(observations), {"action_ids": self.action_ids.copy()}
+
+    def step(self, action):
+        index = int(action)
+        if not 0 <= index < self.action_ids.size:
+            raise ValueError(f"action must lie in [0, {self.action_ids.size}), got {action}")
+        result = self.batched.step(self.action_ids[index : index + 1])
+        return (
+            self._observation(result.observations),
+            float(result.rewards[0]),
+            bool(result.terminated[0]),
+            bool(result.truncated[0]),
+            {},
+        )
+
+
+def make_dark_room(goal: int = 0, *, size: int = 9, episode_length: int = 20) -> SingleEnv:
+    return SingleEnv(DarkRoom([goal], size=size, episode_length=episode_length))
+
+
+def make_key_to_door(key: int = 0, door: int = 80, *, size: int = 9, episode_length: int = 50) -> SingleEnv:
+    return SingleEnv(KeyToDoor([key], [door], size=size, episode_length=episode_length))
+
+
+def make_composite_dark_room(
+    goal: int = 0, *, action_set="train", split_seed: int = 0, size: int = 9, episode_length: int = 20
+) -> SingleEnv:
+    if isinstance(action_set, str):
+        if action_set not in ACTION_SET_NAMES:
+            raise ValueError(f"action_set must be one of {ACTION_SET_NAMES} or a list of ids, got {action_set!r}")
+        action_set = composite_action_sets(split_seed)[action_set]
+    env = CompositeDarkRoom([goal], action_set=action_set, size=size, episode_length=episode_length)
+    return SingleEnv(env, action_ids=env.action_set[0])
+
+
+def make_bernoulli_bandit(means=(0.2, 0.8), *, episode_length: int = 300) -> SingleEnv:
+    return SingleEnv(BernoulliBandit(np.asarray(means, dtype=np.float64)[None], episode_length=episode_length))
+
+
+def make_contextual_bandit(arms=((1.0, 0.0), (0.0, 1.0)), *, noise_std: float = 1.0, episode_length: int = 300):
+    arms = np.asarray(arms, dtype=np.float64)[None]
+    return SingleEnv(ContextualBandit(arms, noise_std=noise_std, episode_length=episode_length))
+
+
+GYM_IDS = {
+    "icrl/DarkRoom-v0": make_dark_room,
+    "icrl/KeyToDoor-v0": make_key_to_door,
+    "icrl/DarkRoomComposite-v0": make_composite_dark_room,
+    "icrl/BernoulliBandit-v0": make_bernoulli_bandit,
+    "icrl/ContextualBandit-v0": make_contextual_bandit,
+}
+
+
+def register_gymnasium_envs() -> bool:
+    """Register :data:`GYM_IDS` with gymnasium (idempotent); False when gymnasium is not installed."""
+    if gymnasium is None:
+        return False
+    for env_id, factory in GYM_IDS.items():
+        if env_id not in gymnasium.registry:
+            gymnasium.register(id=env_id, entry_point=f"{__name__}:{factory.__name__}")
+    return True
