@@ -157,7 +157,9 @@ class UCB1(Agent):
     def act(self, observations, progress):
         total = self.counts.sum(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            scores = self.sums / self.counts + self.exploration * np.sqrt(2.0 * np.log(np.maximum(total, 1)) / self.counts)
+            scores = self.sums / self.counts + self.exploration * np.sqrt(
+                2.0 * np.log(np.maximum(total, 1)) / self.counts
+            )
         scores = np.where(self.counts == 0, np.inf, scores)
         return random_argmax(scores, self.available, self.rng)
 

@@ -6,10 +6,21 @@
 * :class:`GenerateConfig` / :func:`generate_histories`: what ``icrl-data generate`` runs.
 """
 
-from .generate import ENV_NAMES, GenerateConfig, build_env, generate_histories
 from .histories import FORMAT_VERSION, DatasetError, LearningHistories
 from .storage import load_histories, read_header, save_histories
 from .windows import NO_ACTION, HistoryWindows
+
+_GENERATE_NAMES = ("ENV_NAMES", "GenerateConfig", "build_env", "generate_histories")
+
+
+def __getattr__(name: str):
+    # Generation imports the generators, which import this package's containers: resolve it lazily.
+    if name in _GENERATE_NAMES:
+        from . import generate
+
+        return getattr(generate, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ENV_NAMES",

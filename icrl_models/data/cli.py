@@ -62,7 +62,9 @@ def _describe(histories: LearningHistories) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="icrl-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="icrl-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="run a source algorithm and write its learning histories")
     add_config_arguments(generate, GenerateConfig)

@@ -131,6 +131,8 @@ def _validate(histories: LearningHistories) -> None:
     sets = histories.action_sets
     if sets.ndim != 2 or sets.shape[0] != num_histories or sets.shape[1] == 0:
         _fail(f"action_sets must be [{num_histories}, A] with A >= 1, got shape {sets.shape}")
+    if "optimal_return" not in histories.task_params:
+        _fail("task_params lacks 'optimal_return' (each history's optimal return, for normalised scores)")
     for name, value in histories.task_params.items():
         if value.shape[:1] != (num_histories,):
             _fail(f"task/{name} must have {num_histories} rows, got shape {value.shape}")
@@ -151,25 +153,43 @@ def _validate(histories: LearningHistories) -> None:
     lengths = np.asarray(histories.lengths)
     if lengths.size and (lengths.min() < 1 or lengths.max() > length):
         _fail(f"lengths must lie in [1, {length}], got [{lengths.min()}, {lengths.max()}]")
-    valid = np.arange(length)[None, :] < lengths[:, None]
-
     num_actions = int(env["num_actions"])
     if sets.min() < -1 or sets.max() >= num_actions:
         _fail(f"action_sets must hold ids in [0, {num_actions}) or -1 padding")
     if np.any(sets[:, 0] < 0):
-        _fail("every history needs at least one available action (action_sets row is all padding)")
-    available = np.zeros((num_histories, num_actions + 1), dtype=bool)
-    available[np.arange(num_histories)[:, None], np.where(sets >= 0, sets, num_actions)] = True
+        _fail("every history needs at least one available action (its action_sets row is all padding)")
+
+    # Contents, a block of histories at a time so that temporaries stay small for huge datasets.
+    rows_per_block = max(1, _VALIDATION_BLOCK_ELEMENTS // max(length, 1))
+    for first in range(0, num_histories, rows_per_block):
+        rows = slice(first, min(first + rows_per_block, num_histories))
+        _validate_block(histories, rows, first, env, int(meta["num_episodes"]))
+
+
+#: Elements per array handled at once by validation (bounds its temporary memory).
+_VALIDATION_BLOCK_ELEMENTS = 1 << 22
+
+
+def _validate_block(histories: LearningHistories, rows: slice, first: int, env: dict, num_episodes: int) -> None:
+    lengths = np.asarray(histories.lengths[rows])
+    length = histories.max_length
+    valid = np.arange(length)[None, :] < lengths[:, None]
+    sets = np.asarray(histories.action_sets[rows])
+    num_actions = int(env["num_actions"])
+
+    available = np.zeros((sets.shape[0], num_actions + 1), dtype=bool)
+    available[np.arange(sets.shape[0])[:, None], np.where(sets >= 0, sets, num_actions)] = True
+    actions = np.asarray(histories.actions[rows])
     action_ids = np.where(valid, actions, 0).astype(np.int64)
     if action_ids.min() < 0 or action_ids.max() >= num_actions:
         _fail(f"actions must lie in [0, {num_actions}), got [{action_ids.min()}, {action_ids.max()}]")
     allowed = np.take_along_axis(available, action_ids, axis=1) | ~valid
     if not allowed.all():
         row, step = np.argwhere(~allowed)[0]
-        _fail(f"history {row} step {step}: action {actions[row, step]} is not in its action set")
+        _fail(f"history {first + row} step {step}: action {actions[row, step]} is not in its action set")
 
-    states = np.asarray(histories.states)
-    if obs_dim:
+    states = np.asarray(histories.states[rows])
+    if int(env["observation_dim"]):
         if not np.isfinite(states[valid]).all():
             _fail("states hold NaN or infinite values")
     else:
@@ -178,19 +198,19 @@ def _validate(histories: LearningHistories) -> None:
         if observed.size and (observed.min() < 0 or observed.max() >= num_obs):
             _fail(f"states must lie in [0, {num_obs}), got [{observed.min()}, {observed.max()}]")
 
-    rewards = np.asarray(histories.rewards)[valid]
+    rewards = np.asarray(histories.rewards[rows])[valid]
     low, high = (float(v) for v in env["reward_range"])
     if not np.isfinite(rewards).all():
         _fail("rewards hold NaN or infinite values")
     if rewards.size and (rewards.min() < low or rewards.max() > high):
         _fail(f"rewards must lie in [{low}, {high}], got [{rewards.min()}, {rewards.max()}]")
 
-    dones = np.asarray(histories.dones)
+    dones = np.asarray(histories.dones[rows])
     if np.any(dones & ~valid):
         _fail("dones marks a step past a history's length")
-    last = dones[np.arange(num_histories), lengths - 1] if num_histories else np.zeros(0, bool)
+    last = dones[np.arange(dones.shape[0]), lengths - 1]
     if not last.all():
-        _fail(f"history {int(np.argmin(last))} does not end with a finished episode (dones at its last step)")
+        _fail(f"history {first + int(np.argmin(last))} does not end with a finished episode (dones at its last step)")
     episodes = dones.sum(axis=1)
-    if np.any(episodes != int(meta["num_episodes"])):
-        _fail(f"every history must hold num_episodes={meta['num_episodes']} episodes, found {np.unique(episodes)}")
+    if np.any(episodes != num_episodes):
+        _fail(f"every history must hold num_episodes={num_episodes} episodes, found {np.unique(episodes).tolist()}")

@@ -19,6 +19,8 @@ from torch.utils.data import Dataset
 
 from .histories import LearningHistories
 
+#: Steps handled at once while indexing subsampled streams (bounds temporary memory).
+_BLOCK_ELEMENTS = 1 << 22
 #: ``prev_actions`` value of a window's first step when the stream has no earlier step.
 NO_ACTION = -1
 
@@ -63,26 +65,27 @@ class HistoryWindows(Dataset):
         self._first_window = np.concatenate([[0], np.cumsum(starts_per_stream)])
 
     def _subsampled_streams(self, lengths: np.ndarray):
-        """Per stream (history, offset): its start and length in one flat array of history positions."""
-        dones = np.asarray(self.histories.dones)
-        num_histories, max_length = dones.shape
-        streams_history, streams_start, streams_length, chunks = [], [], [], []
-        cursor = 0
-        for history in range(num_histories):
-            ends = np.flatnonzero(dones[history, : lengths[history]]) + 1
-            begins = np.concatenate([[0], ends[:-1]])
-            for offset in range(self.subsample):
-                chosen = slice(offset, None, self.subsample)
-                if begins[chosen].size == 0:
-                    continue
-                steps = np.concatenate([np.arange(b, e) for b, e in zip(begins[chosen], ends[chosen])])
-                chunks.append(history * max_length + steps)
-                streams_history.append(history)
-                streams_start.append(cursor)
-                streams_length.append(steps.size)
-                cursor += steps.size
-        positions = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-        return (np.asarray(streams_history), np.asarray(streams_start), np.asarray(streams_length), positions)
+        """Streams (history, offset) as ``(history, start, length)`` slices of one flat array of history
+        positions (``history * T + step``), ordered by history, then offset, then step."""
+        dones = self.histories.dones
+        max_length = dones.shape[1]
+        rows_per_block = max(1, _BLOCK_ELEMENTS // max_length)
+        histories, lengths_out, chunks = [], [], []
+        for first in range(0, dones.shape[0], rows_per_block):
+            block = np.asarray(dones[first : first + rows_per_block], dtype=bool)
+            valid = np.arange(max_length)[None, :] < lengths[first : first + block.shape[0], None]
+            episode = np.cumsum(block, axis=1) - block  # episode index of every step
+            flat = np.flatnonzero(valid)  # block-local positions, in history-then-step order
+            history = flat // max_length
+            stream_key = history * self.subsample + episode.reshape(-1)[flat] % self.subsample
+            order = np.argsort(stream_key, kind="stable")
+            keys, counts = np.unique(stream_key[order], return_counts=True)
+            chunks.append(flat[order] + first * max_length)
+            histories.append(keys // self.subsample + first)
+            lengths_out.append(counts)
+        stream_length = np.concatenate(lengths_out)
+        stream_start = np.concatenate([[0], np.cumsum(stream_length)[:-1]])
+        return np.concatenate(histories), stream_start, stream_length, np.concatenate(chunks)
 
     def __len__(self) -> int:
         return int(self._first_window[-1])
@@ -119,8 +122,12 @@ class HistoryWindows(Dataset):
             "states": torch.from_numpy(states.astype(np.float32 if states.dtype.kind == "f" else np.int64)),
             "actions": torch.from_numpy(actions),
             "rewards": torch.from_numpy(rewards),
-            "prev_actions": torch.from_numpy(np.where(has_previous, h.actions[prev_rows, prev_cols], NO_ACTION).astype(np.int64)),
-            "prev_rewards": torch.from_numpy(np.where(has_previous, h.rewards[prev_rows, prev_cols], 0.0).astype(np.float32)),
+            "prev_actions": torch.from_numpy(
+                np.where(has_previous, h.actions[prev_rows, prev_cols], NO_ACTION).astype(np.int64)
+            ),
+            "prev_rewards": torch.from_numpy(
+                np.where(has_previous, h.rewards[prev_rows, prev_cols], 0.0).astype(np.float32)
+            ),
             "episode_start": torch.from_numpy(mask & ((offsets == 0) | (has_previous & prev_done))),
             "mask": torch.from_numpy(mask),
             "history": torch.from_numpy(history),

@@ -58,7 +58,9 @@ def bernoulli_arm_means(
     return means, counts.astype(np.int64)
 
 
-def contextual_bandit_arms(num_bandits: int, *, num_arms=(4, 20), dim: int = 2, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def contextual_bandit_arms(
+    num_bandits: int, *, num_arms=(4, 20), dim: int = 2, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Sample contextual bandit tasks: arm features ~ N(0, I/dim) (the official code's scaling).
 
     Returns ``(arms [N, max_arms, dim] float64, num_arms [N] int64)``; padding arms are 0.

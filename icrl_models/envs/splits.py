@@ -38,7 +38,9 @@ def task_split(num_tasks: int, num_train: int, *, seed: int = 0) -> dict[str, np
     return {"train": np.sort(order[:num_train]), "test": np.sort(order[num_train:])}
 
 
-def grid_task_split(env_name: str, *, num_train: int | None = None, size: int = 9, seed: int = 0) -> dict[str, np.ndarray]:
+def grid_task_split(
+    env_name: str, *, num_train: int | None = None, size: int = 9, seed: int = 0
+) -> dict[str, np.ndarray]:
     """The train/test split of a grid environment's tasks (see the module docstring for task ids)."""
     total = num_grid_tasks(env_name, size)
     if num_train is None:
