@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ..config import add_config_arguments, config_from_args
+from ..plots import plot_curves
 from .generate import GenerateConfig, generate_histories
 from .histories import DatasetError, LearningHistories
 from .storage import load_histories, save_histories
@@ -48,6 +49,27 @@ def learning_summary(histories: LearningHistories) -> dict[str, float]:
     }
 
 
+def plot_learning_curve(histories: LearningHistories, path: str) -> None:
+    """The source algorithm's mean return per episode (reward per step for one-episode histories)
+    against the optimal one, with a +- 1 standard error band over histories."""
+    meta = histories.metadata
+    optimal = np.asarray(histories.task_params["optimal_return"], dtype=np.float64)
+    label = f"{meta['generator']['name']} ({histories.num_histories} histories)"
+    if meta["num_episodes"] > 1:
+        curves, xlabel, ylabel, best = {label: histories.episode_returns()}, "episode", "return", optimal.mean()
+    else:
+        curves, xlabel, ylabel = {label: np.asarray(histories.rewards)}, "step", "reward"
+        best = optimal.mean() / histories.max_length
+    plot_curves(
+        curves,
+        path,
+        xlabel=xlabel,
+        ylabel=ylabel,
+        title=f"{meta['env']['name']}, {meta['split']} split",
+        reference_lines={"optimal": best},
+    )
+
+
 def _describe(histories: LearningHistories) -> str:
     meta = histories.metadata
     lines = [
@@ -70,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     add_config_arguments(generate, GenerateConfig)
     generate.add_argument("-o", "--output", required=True, help="dataset file to write (atomically)")
     generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    info = commands.add_parser("info", help="validate a dataset and print what it holds")
+    for command in (generate, info := commands.add_parser("info", help="validate a dataset and describe it")):
+        command.add_argument("--plot", metavar="PNG", help="also save the source algorithm's learning curve")
     info.add_argument("path")
     args = parser.parse_args(argv)
 
@@ -83,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
             print(_describe(histories))
             print(f"wrote        {path} in {time.perf_counter() - start:.1f} s")
         else:
-            print(_describe(load_histories(args.path)))
+            histories = load_histories(args.path)
+            print(_describe(histories))
+        if args.plot:
+            plot_learning_curve(histories, args.plot)
+            print(f"plot         {args.plot}")
     except (DatasetError, ValueError, FileNotFoundError) as error:
         print(f"icrl-data: error: {error}", file=sys.stderr)
         return 2
