@@ -137,6 +137,8 @@ class BernoulliBandit(_ArmedBandit):
         if actions.shape[-1:] != (self.num_envs,):
             raise ValueError(f"actions must have shape [..., {self.num_envs}], got {actions.shape}")
         steps = actions.reshape(-1, self.num_envs).T  # [N, T]
+        if not np.take_along_axis(self._available, steps, axis=1).all():
+            raise ValueError("actions include arms past an environment's num_arms")
         pulled = np.take_along_axis(self.means, steps, axis=1).T.reshape(actions.shape)
         return self.best_means() - pulled
 

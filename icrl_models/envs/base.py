@@ -34,6 +34,8 @@ class StepResult(NamedTuple):
 def as_index_array(values, name: str, *, low: int, high: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """``values`` as an int64 array, checked to lie in ``[low, high)`` (and to have ``shape``)."""
     array = np.asarray(values)
+    if array.size == 0 and array.dtype.kind == "f":
+        array = array.astype(np.int64)  # an empty list has numpy's default float dtype
     if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"{name} must hold integers, got dtype {array.dtype}")
     array = array.astype(np.int64, copy=False)

@@ -30,6 +30,9 @@ def action_moves(actions) -> np.ndarray:
 
 
 def action_name(action: int) -> str:
+    """``"up-up-right"`` for a composite action id."""
+    if not 0 <= action < NUM_COMPOSITE_ACTIONS:
+        raise ValueError(f"action must lie in [0, {NUM_COMPOSITE_ACTIONS}), got {action}")
     return "-".join(MOVE_NAMES[m] for m in action_moves(action))
 
 
