@@ -34,7 +34,7 @@ from .envs.base import BatchedEnv
 def random_argmax(values: np.ndarray, available: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Row-wise argmax over ``available`` entries of ``values`` (``[N, A]``), ties broken uniformly."""
     masked = np.where(available, values, -np.inf)
-    best = masked == masked.max(axis=1, keepdims=True)
+    best = available & (masked == masked.max(axis=1, keepdims=True))
     return np.argmax(best * rng.random(values.shape), axis=1)
 
 

@@ -4,12 +4,13 @@ Layout (little-endian)::
 
     b"ICRLHIST"            8-byte magic
     header_size            uint64
+    header_crc32           uint32, then 4 reserved zero bytes
     header                 UTF-8 JSON: {"metadata": {...}, "arrays": {name: {dtype, shape, offset, nbytes, crc32}}}
     array bytes            each array C-contiguous at its offset (64-byte aligned), in header order
 
 Files are written atomically (a temporary file in the same folder, fsync, then rename), so an
 interrupted run never leaves a file that looks complete. Loading checks the magic, the header, the
-file size against the arrays it declares, every array's CRC-32, and then the contents
+file size against the arrays it declares, the header's and every array's CRC-32, and then the contents
 (:meth:`LearningHistories.validate`); any problem raises :class:`DatasetError` naming it. Arrays are
 memory-mapped by default, so a dataset larger than memory can be sampled without reading it whole.
 """
@@ -29,6 +30,7 @@ import numpy as np
 from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
 
 MAGIC = b"ICRLHIST"
+_PREFIX = struct.Struct("<QII")  # header size, header CRC-32, reserved
 ALIGNMENT = 64
 _CRC_CHUNK = 1 << 24
 
@@ -63,13 +65,13 @@ def save_histories(histories: LearningHistories, path: str | os.PathLike) -> Pat
         }
         offset += array.nbytes
     header = json.dumps({"metadata": histories.metadata, "arrays": table}).encode()
-    data_start = _aligned(len(MAGIC) + 8 + len(header))
+    data_start = _aligned(len(MAGIC) + _PREFIX.size + len(header))
 
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            file.write(MAGIC + _PREFIX.pack(len(header), zlib.crc32(header), 0) + header)
             for name, array in arrays.items():
                 file.seek(data_start + table[name]["offset"])
                 file.write(array.reshape(-1).view(np.uint8).data)
@@ -93,19 +95,22 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
         raise FileNotFoundError(f"no learning-history file at {path}")
     size = path.stat().st_size
     with open(path, "rb") as file:
-        prefix = file.read(len(MAGIC) + 8)
-        if len(prefix) < len(MAGIC) + 8 or prefix[: len(MAGIC)] != MAGIC:
+        prefix = file.read(len(MAGIC) + _PREFIX.size)
+        if len(prefix) < len(MAGIC) + _PREFIX.size or prefix[: len(MAGIC)] != MAGIC:
             raise DatasetError(f"{path} is not a learning-history file (bad magic bytes or shorter than its header)")
-        (header_size,) = struct.unpack("<Q", prefix[len(MAGIC) :])
-        if len(MAGIC) + 8 + header_size > size:
+        header_size, header_crc, _ = _PREFIX.unpack(prefix[len(MAGIC) :])
+        if len(MAGIC) + _PREFIX.size + header_size > size:
             raise DatasetError(f"{path} is truncated: its header alone needs {header_size} bytes")
-        try:
-            header = json.loads(file.read(header_size).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise DatasetError(f"{path} has a corrupt header: {error}") from None
+        raw = file.read(header_size)
+    if zlib.crc32(raw) != header_crc:
+        raise DatasetError(f"{path} has a corrupt header (its checksum does not match)")
+    try:
+        header = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DatasetError(f"{path} has a corrupt header: {error}") from None
     if not isinstance(header, dict) or not {"metadata", "arrays"} <= set(header):
         raise DatasetError(f"{path} has a header without 'metadata' and 'arrays'")
-    return header, _aligned(len(MAGIC) + 8 + header_size)
+    return header, _aligned(len(MAGIC) + _PREFIX.size + header_size)
 
 
 def load_histories(

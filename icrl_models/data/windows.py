@@ -106,8 +106,8 @@ class HistoryWindows(Dataset):
         offsets = window_start[:, None] + np.arange(self.seq_len)[None, :]  # [B, L] positions in the stream
         mask = offsets < self._stream_length[stream, None]
         current = self._flat_positions(stream, np.where(mask, offsets, 0))
-        previous = self._flat_positions(stream, np.maximum(offsets - 1, 0))
         has_previous = mask & (offsets > 0)
+        previous = self._flat_positions(stream, np.where(has_previous, offsets - 1, 0))
 
         h = self.histories
         max_length = h.actions.shape[1]
@@ -134,8 +134,7 @@ class HistoryWindows(Dataset):
             "task_id": torch.from_numpy(np.asarray(h.task_ids)[history].astype(np.int64)),
             "action_set": torch.from_numpy(np.asarray(h.action_sets)[history].astype(np.int64)),
         }
-        if states.dtype.kind != "f":
-            batch["states"][~batch["mask"]] = 0
+        batch["states"][~batch["mask"]] = 0
         return batch
 
     def _flat_positions(self, stream: np.ndarray, offsets: np.ndarray) -> np.ndarray:
