@@ -193,17 +193,18 @@ class LinUCB(Agent):
 
     def act(self, observations, progress):
         self.context = observations.astype(np.float64)
-        theta = np.einsum("naij,naj->nai", self.precision_inv, self.reward_sums)
-        mean = np.einsum("nai,ni->na", theta, self.context)
-        width = np.einsum("ni,naij,nj->na", self.context, self.precision_inv, self.context)
+        # A^-1 is symmetric, so theta . s = b . (A^-1 s) and s^T A^-1 s = s . (A^-1 s): one product.
+        inv_s = (self.precision_inv @ self.context[:, None, :, None])[..., 0]  # [N, A, d]
+        mean = np.sum(self.reward_sums * inv_s, axis=-1)
+        width = np.sum(self.context[:, None, :] * inv_s, axis=-1)
         return random_argmax(mean + self.alpha * np.sqrt(np.maximum(width, 0.0)), self.available, self.rng)
 
     def learn(self, actions, rewards, terminated):
         inv = self.precision_inv[self.rows, actions]  # [N, d, d]
-        inv_s = np.einsum("nij,nj->ni", inv, self.context)
+        inv_s = (inv @ self.context[:, :, None])[..., 0]
         # Sherman-Morrison: (A + s s^T)^-1 = A^-1 - A^-1 s s^T A^-1 / (1 + s^T A^-1 s)
-        denom = 1.0 + np.einsum("ni,ni->n", self.context, inv_s)
-        self.precision_inv[self.rows, actions] = inv - np.einsum("ni,nj->nij", inv_s, inv_s) / denom[:, None, None]
+        denom = 1.0 + np.sum(self.context * inv_s, axis=-1)
+        self.precision_inv[self.rows, actions] = inv - inv_s[:, :, None] * inv_s[:, None, :] / denom[:, None, None]
         self.reward_sums[self.rows, actions] += rewards[:, None] * self.context
 
 

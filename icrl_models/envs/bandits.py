@@ -218,9 +218,13 @@ class ContextualBandit(_ArmedBandit):
         always pulling the best arm for the context: ``episode_length * E_s[max_a <arms[a], s>]``."""
         rng = np.random.default_rng(seed)
         contexts = rng.normal(0.0, 1.0 / np.sqrt(self.observation_dim), size=(num_samples, self.observation_dim))
-        values = np.einsum("nad,sd->nsa", self.arms, contexts)
-        values = np.where(self._available[:, None, :], values, -np.inf)
-        return self.episode_length * values.max(axis=2).mean(axis=1)
+        best = np.empty(self.num_envs)
+        block = max(1, (1 << 22) // (num_samples * self.num_actions))  # bounds the [block, A, S] temporary
+        for first in range(0, self.num_envs, block):
+            rows = slice(first, first + block)
+            values = self.arms[rows] @ contexts.T  # [block, A, S]
+            best[rows] = np.where(self._available[rows, :, None], values, -np.inf).max(axis=1).mean(axis=1)
+        return self.episode_length * best
 
     def task_params(self) -> dict[str, np.ndarray]:
         return {"arms": self.arms.copy(), "num_arms": self.num_arms.copy()}
