@@ -941,6 +941,17 @@ def test_cli_generate_and_info(tmp_path, capsys):
     assert "dark_room" in captured.out and "q_learning" in captured.out and captured.err == ""
 
 
+@pytest.mark.parametrize("env", ["dark_room", "bernoulli_bandit"])
+def test_cli_plots_the_learning_curve(tmp_path, capsys, env):
+    path, plot = tmp_path / "d.icrl", tmp_path / "curve.png"
+    argv = ["generate", "--env", env, "--num-histories", "6", "--num-episodes", "3" if env == "dark_room" else "1"]
+    assert main([*argv, "-o", str(path), "--no-progress", "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plot.unlink()
+    assert main(["info", str(path), "--plot", str(plot)]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(plot) in capsys.readouterr().out
+
+
 def test_cli_info_errors(tmp_path, capsys, datasets):
     path = save_histories(datasets["dark_room"], tmp_path / "d.icrl")
     header, data_start = read_header(path)
