@@ -303,12 +303,6 @@ def collect_histories(
         observations = env.reset(np.flatnonzero(finished)) if finished.any() else result.observations
     bar.close()
 
-    action_sets = np.full((num_envs, env.num_actions), -1, dtype=np.int16)
-    available = env.action_mask()
-    for row in range(num_envs):  # available actions in the env's own order where it has one
-        ids = env.action_set[row] if hasattr(env, "action_set") else np.flatnonzero(available[row])
-        action_sets[row, : len(ids)] = ids
-    width = int((action_sets >= 0).sum(axis=1).max())
     meta = {
         "format_version": FORMAT_VERSION,
         "env": env_metadata(env),
@@ -325,7 +319,7 @@ def collect_histories(
         dones=dones,
         lengths=lengths,
         task_ids=env.task_ids(),
-        action_sets=action_sets[:, :width],
+        action_sets=env.action_sets().astype(np.int16),
         task_params={**env.task_params(), "optimal_return": env.optimal_returns()},
         metadata=meta,
     )

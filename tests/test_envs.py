@@ -1067,3 +1067,11 @@ def test_single_env_requires_one_env_and_bandit_gym():
     assert obs.shape == (2,) and obs.dtype == np.float32
     _, reward, *_ = ctx.step(1)
     assert reward == pytest.approx(float(obs[1]), abs=1e-6)
+
+
+def test_action_sets_list_available_ids_in_the_envs_order():
+    means = np.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0]])
+    np.testing.assert_array_equal(BernoulliBandit(means, num_arms=[3, 2]).action_sets(), [[0, 1, 2], [0, 1, -1]])
+    np.testing.assert_array_equal(DarkRoom([0]).action_sets(), [[0, 1, 2, 3, 4]])
+    composite = CompositeDarkRoom([1, 2], action_set=[[7, 3, 9], [4, 8, 1]])
+    np.testing.assert_array_equal(composite.action_sets(), [[7, 3, 9], [4, 8, 1]])

@@ -113,6 +113,15 @@ class BatchedEnv:
             return np.ones((self.num_envs, self.num_actions), dtype=bool)
         return self._available.copy()
 
+    def action_sets(self) -> np.ndarray:
+        """``[N, A]`` int64: the ids of each environment's available actions, padded with -1 (``A`` the
+        largest count). The order is the environment's own (an action set's order), else ascending."""
+        mask = self.action_mask()
+        counts = mask.sum(axis=1)
+        ids = np.full((self.num_envs, int(counts.max())), -1, dtype=np.int64)
+        ids[np.arange(ids.shape[1])[None, :] < counts[:, None]] = np.nonzero(mask)[1]
+        return ids
+
     def observations(self) -> np.ndarray:
         """The current observation of every environment (see :class:`StepResult`)."""
         raise NotImplementedError

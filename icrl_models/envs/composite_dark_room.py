@@ -119,6 +119,9 @@ class CompositeDarkRoom(BatchedEnv):
         self.positions = path[:, -1]
         return reached.astype(np.float32), reached
 
+    def action_sets(self) -> np.ndarray:
+        return self.action_set.copy()
+
     def observations(self) -> np.ndarray:
         return self.positions.copy()
 
