@@ -1,0 +1,126 @@
+"""AD / N-Gram AD: training steps and in-context evaluation steps per second (DESIGN.md section 5).
+
+* ``test_train_step``: one optimiser step (forward, backward, AdamW) on a batch of windows, for AD and
+  N-Gram AD, with the library's kernels (``backend="auto"``) and with ``backend="reference"`` (the
+  dense O(L^2) n-gram reference).
+* ``test_eval_step``: one in-context decision for ``num_envs`` environments at a context of
+  ``context`` steps. ``incremental`` is :meth:`ADModel.step` (KV cache + n-gram running state: cost
+  independent of the context); ``recompute`` runs the whole context through the model again with the
+  reference n-gram path, what an implementation without a cache does.
+
+The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) uses the main job's CPU
+model and, on CUDA, a paper-sized one (d_model 512, 8 heads, 4 blocks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from icrl_models.models import ADConfig, ADModel
+
+from .conftest import bench_device, device_name, full_run
+
+
+class Size(NamedTuple):
+    name: str
+    d_model: int
+    num_heads: int
+    num_layers: int
+    seq_len: int
+    batch: int
+
+
+SMOKE = [Size("tiny", 16, 2, 1, 24, 4)]
+CPU_FULL = [Size("cpu-main", 64, 4, 2, 200, 32)]
+GPU_FULL = [Size("cpu-main", 64, 4, 2, 200, 32), Size("paper", 512, 8, 2, 250, 64)]
+SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else SMOKE
+MODELS = {"ad": (), "ngram_ad": (1, 2)}
+EVAL_ROUNDS = 50
+
+
+def _model(size: Size, model: str, backend: str, device) -> ADModel:
+    config = ADConfig(
+        seq_len=size.seq_len, d_model=size.d_model, num_heads=size.num_heads, num_layers=size.num_layers,
+        ngram_sizes=MODELS[model], backend=backend,
+    )  # fmt: skip
+    return ADModel(config).to(device)
+
+
+def _inputs(batch: int, length: int, device):
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randint(0, 81, (batch, length), generator=generator)
+    prev_actions = torch.randint(-1, 5, (batch, length), generator=generator)
+    prev_rewards = torch.randint(0, 2, (batch, length), generator=generator).float()
+    return states.to(device), prev_actions.to(device), prev_rewards.to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+def test_train_step(benchmark, size: Size, model: str, backend: str):
+    device = bench_device()
+    net = _model(size, model, backend, device)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    states, prev_actions, prev_rewards = _inputs(size.batch, size.seq_len, device)
+    batch = {
+        "states": states, "prev_actions": prev_actions, "prev_rewards": prev_rewards,
+        "actions": torch.randint(0, 5, states.shape, device=device), "mask": torch.ones_like(states, dtype=torch.bool),
+    }  # fmt: skip
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        with autocast:
+            loss = net.loss(batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        _sync(device)
+
+    step()  # warm-up (allocator, kernels)
+    benchmark.extra_info.update(size._asdict(), model=model, backend=backend, device=device_name(device))
+    benchmark(step)
+    if not benchmark.disabled:
+        benchmark.extra_info["steps_per_second"] = 1.0 / benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("mode", ["incremental", "recompute"])
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+def test_eval_step(benchmark, size: Size, model: str, mode: str):
+    device = bench_device()
+    context = 4 * size.seq_len
+    num_envs = 84 if full_run() else 4
+    net = _model(size, model, "auto" if mode == "incremental" else "reference", device).eval()
+    states, prev_actions, prev_rewards = _inputs(num_envs, context + 1, device)
+    if mode == "incremental":
+        # Room for the timed steps after the context (each timed step extends it by one).
+        state = net.init_decode_state(num_envs, context + EVAL_ROUNDS + 8)
+        for t in range(context):  # fill the cache: the timed steps see a context of `context` steps
+            net.step(state, states[:, t], prev_actions[:, t], prev_rewards[:, t])
+
+        def step():
+            net.step(state, states[:, -1], prev_actions[:, -1], prev_rewards[:, -1])
+            _sync(device)
+
+    else:
+
+        @torch.no_grad()
+        def step():
+            net(states, prev_actions, prev_rewards, window=size.seq_len)[:, -1]
+            _sync(device)
+
+    benchmark.extra_info.update(size._asdict(), model=model, mode=mode, context=context, num_envs=num_envs,
+                                device=device_name(device))  # fmt: skip
+    if benchmark.disabled:
+        benchmark(step)
+    else:
+        benchmark.pedantic(step, rounds=EVAL_ROUNDS, iterations=1, warmup_rounds=2)
+        benchmark.extra_info["env_steps_per_second"] = num_envs / benchmark.stats.stats.median

@@ -1,0 +1,168 @@
+"""In-context evaluation: roll a trained AD / N-Gram AD model out on held-out tasks, many at once.
+
+The model never updates its weights here; it improves, if at all, from its own growing context. Every
+environment of a batched env is stepped in parallel and the model decodes incrementally
+(:meth:`ADModel.step`: a key/value cache of ``seq_len`` tokens and the n-gram layers' running state),
+so a step costs the same at step 10 as at step 10,000.
+
+Reported against two references run on the same tasks: the source algorithm that generated the
+training data (its own learning curve, from scratch) and a uniformly random policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .envs.base import BatchedEnv
+from .generators import Agent, RandomAgent, collect_histories
+from .models.ad import ADModel
+from .plots import plot_curves
+
+
+@torch.no_grad()
+def rollout_in_context(
+    model: ADModel,
+    env: BatchedEnv,
+    num_episodes: int,
+    *,
+    sample: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> np.ndarray:
+    """Run ``model`` in every environment of ``env`` for ``num_episodes`` episodes, one context each.
+
+    Actions are sampled from the model's softmax (``sample=True``, seeded) or taken greedily; actions
+    the environment does not offer are masked out. Returns ``[N, num_episodes]`` episode returns.
+    """
+    model.eval()
+    device = model.action_head.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    num_envs = env.num_envs
+    rows = np.arange(num_envs)
+    unavailable = torch.from_numpy(~env.action_mask()).to(device)
+    returns = np.zeros((num_envs, num_episodes))
+    episode = np.zeros(num_envs, dtype=np.int64)
+    state = model.init_decode_state(num_envs, num_episodes * env.episode_length)
+    observations = env.reset()
+    prev_actions = torch.full((num_envs,), -1, dtype=torch.long, device=device)
+    prev_rewards = torch.zeros(num_envs, device=device)
+    bar = tqdm(total=num_episodes, desc="in-context episodes", unit="episode", disable=not progress)
+    while episode.min() < num_episodes:
+        states = torch.from_numpy(observations).to(device)
+        logits = model.step(state, states, prev_actions, prev_rewards).float().masked_fill(unavailable, -torch.inf)
+        if sample:
+            actions = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+        else:
+            actions = logits.argmax(dim=-1)
+        result = env.step(actions.cpu().numpy())
+        active = episode < num_episodes
+        returns[rows[active], episode[active]] += result.rewards[active]
+        finished = result.terminated | result.truncated
+        episode += finished
+        bar.update(int(episode.min()) - bar.n)
+        observations = env.reset(np.flatnonzero(finished)) if finished.any() else result.observations
+        prev_actions = actions
+        prev_rewards = torch.from_numpy(result.rewards).to(device)
+    bar.close()
+    return returns
+
+
+@dataclass
+class EvalReport:
+    """Mean episode returns over the evaluation tasks (each a list over episodes), and the summary."""
+
+    model_returns: list[float]
+    source_returns: list[float]
+    random_returns: list[float]
+    optimal_return: float
+    source_name: str
+    episode_subsample: int
+    final_episodes: int
+    summary: dict[str, float] = field(default_factory=dict)
+
+    def table(self, block: int = 5) -> str:
+        """Markdown table of mean return per block of in-context episodes."""
+        lines = ["| in-context episodes | model | random | model / optimal |", "|---|---|---|---|"]
+        for first in range(0, len(self.model_returns), block):
+            model = float(np.mean(self.model_returns[first : first + block]))
+            random = float(np.mean(self.random_returns[first : first + block]))
+            last = min(first + block, len(self.model_returns))
+            lines.append(f"| {first + 1}-{last} | {model:.2f} | {random:.2f} | {model / self.optimal_return:.2f} |")
+        return "\n".join(lines)
+
+    def save(self, folder: str | Path, title: str) -> tuple[Path, Path]:
+        """Write ``eval.json`` and ``eval.png`` (learning curves) into ``folder``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        json_path, png_path = folder / "eval.json", folder / "eval.png"
+        json_path.write_text(json.dumps(self.__dict__, indent=1))
+        k = self.episode_subsample
+        # The model distils the source's k-times-subsampled history, so source episode k*i lines up
+        # with in-context episode i.
+        source = np.asarray(self.source_returns)[k - 1 :: k][: len(self.model_returns)]
+        plot_curves(
+            {
+                "model (in context)": np.asarray(self.model_returns)[None],
+                f"{self.source_name} (every {k}th episode)": source[None],
+                "random": np.asarray(self.random_returns)[None],
+            },
+            png_path,
+            xlabel="in-context episode",
+            ylabel="mean return on held-out tasks",
+            title=title,
+            reference_lines={"optimal": self.optimal_return},
+        )
+        return json_path, png_path
+
+
+def evaluate(
+    model: ADModel,
+    make_env,
+    *,
+    num_episodes: int,
+    source: Agent,
+    source_episodes: int,
+    episode_subsample: int = 1,
+    final_episodes: int = 5,
+    sample: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> EvalReport:
+    """Evaluate ``model`` on the tasks of ``make_env(seed)`` (a fresh batched env per rollout).
+
+    The summary's ``final_return`` is the model's mean return over its last ``final_episodes``
+    in-context episodes; ``source_final_return`` the source algorithm's over its last 10 of
+    ``source_episodes`` episodes, learned from scratch on the same tasks.
+    """
+    model_returns = rollout_in_context(model, make_env(seed), num_episodes, sample=sample, seed=seed, progress=progress)
+    source_env = make_env(seed)
+    source_returns = collect_histories(source_env, source, source_episodes, seed=seed, progress=False).episode_returns()
+    random_returns = collect_histories(make_env(seed), RandomAgent(), num_episodes, seed=seed, progress=False)
+    optimal = float(source_env.optimal_returns().mean())
+    final = float(model_returns[:, -final_episodes:].mean())
+    source_final = float(source_returns[:, -10:].mean())
+    report = EvalReport(
+        model_returns=model_returns.mean(axis=0).tolist(),
+        source_returns=source_returns.mean(axis=0).tolist(),
+        random_returns=random_returns.episode_returns().mean(axis=0).tolist(),
+        optimal_return=optimal,
+        source_name=source.name,
+        episode_subsample=episode_subsample,
+        final_episodes=final_episodes,
+    )
+    report.summary = {
+        "final_return": final,
+        "source_final_return": source_final,
+        "fraction_of_source": final / source_final if source_final else float("nan"),
+        "fraction_of_optimal": final / optimal if optimal else float("nan"),
+        "random_final_return": float(np.mean(report.random_returns[-final_episodes:])),
+        "num_tasks": int(np.unique(source_env.task_ids()).size),
+        "num_envs": int(source_env.num_envs),
+    }
+    return report

@@ -1,0 +1,299 @@
+"""Algorithm Distillation (Laskin et al., 2022) and N-Gram AD (the N-gram paper) as one model.
+
+One token per step (the N-gram paper, Appendix A): the step's state, the *previous* action and the
+previous reward are embedded, concatenated and projected to ``d_model``; a causal transformer reads
+the tokens and the action head predicts the step's action. N-Gram AD makes the first blocks
+:class:`~icrl_kernels.NGramAttention` layers (one per entry of ``ngram_sizes``) whose attention
+pattern is hard-coded from state ids or from transition ids ``(state, previous action, previous
+reward)``.
+
+Positions are encoded with rotary embeddings (RoPE), so attention depends only on relative offsets:
+in-context evaluation can run far past the training window with a sliding window of ``seq_len``
+tokens and a key/value cache (:class:`ADDecodeState`), each step costing the same whatever the
+context length. :meth:`ADModel.forward` with ``window=seq_len`` computes exactly what stepping
+computes (a banded causal mask); the n-gram layers always see the whole context (their mean over
+matches has no length scale to outgrow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from icrl_kernels import NGramAttention, transition_ids
+
+NGRAM_TOKEN_MODES = ("state", "transition")
+
+
+@dataclass
+class ADConfig:
+    """Model settings; the knobs of the N-gram paper's Table 1 (learning rate and weight decay live in
+    the training config)."""
+
+    num_states: int = 81
+    num_actions: int = 5
+    #: Rewards are embedded as scalars; transition ids need them discrete in ``[0, num_rewards)``.
+    num_rewards: int = 2
+    seq_len: int = 200
+    d_model: int = 64
+    num_heads: int = 4
+    #: Softmax-attention blocks after the n-gram blocks.
+    num_layers: int = 2
+    #: One :class:`NGramAttention` block per entry, in order; empty for plain AD.
+    ngram_sizes: tuple[int, ...] = ()
+    ngram_tokens: str = "state"
+    pre_norm: bool = True
+    qk_norm: bool = False
+    embedding_dropout: float = 0.1
+    residual_dropout: float = 0.1
+    attention_dropout: float = 0.0
+    #: Kernel backend of the n-gram layers: "auto", "triton", "eager" or "reference".
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.ngram_sizes = tuple(int(n) for n in self.ngram_sizes)
+        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"d_model ({self.d_model}) must split into num_heads ({self.num_heads}) even widths")
+        if self.ngram_tokens not in NGRAM_TOKEN_MODES:
+            raise ValueError(f"ngram_tokens must be one of {NGRAM_TOKEN_MODES}, got {self.ngram_tokens!r}")
+        if self.num_layers < 0 or self.num_layers + len(self.ngram_sizes) == 0:
+            raise ValueError("the model needs at least one block (num_layers or ngram_sizes)")
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[..., head_dim / 2]`` for integer ``positions`` of any shape."""
+    inverse = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[..., None] * inverse
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate feature pairs ``(x[2i], x[2i+1])`` of ``x [..., head_dim]`` by the angles of ``cos, sin``."""
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return rotated.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE and optional qk-norm; SDPA for whole sequences."""
+
+    def __init__(self, config: ADConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.d_model // config.num_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.out = nn.Linear(config.d_model, config.d_model)
+        self.q_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
+        self.attention_dropout = config.attention_dropout
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """``x [B, L, D]``, ``positions [B, L]`` -> rotated ``q, k`` and ``v``, each ``[B, H, L, Dh]``."""
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).unbind(2)
+        cos, sin = rotary_tables(positions, self.head_dim)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # broadcast over heads
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        B, L, D = x.shape
+        q, k, v = self._project(x, positions)
+        dropout = self.attention_dropout if self.training else 0.0
+        if window is None or window >= L:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            offsets = torch.arange(L, device=x.device)
+            distance = offsets[:, None] - offsets[None, :]
+            band = (distance >= 0) & (distance < window)  # each query sees itself and window - 1 before it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout)
+        return self.out(y.transpose(1, 2).reshape(B, L, D))
+
+    def step(self, x_t: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new token per row: ``x_t [B, D]``, ``position [B]`` -> ``[B, D]``, appending to ``cache``."""
+        q, k, v = self._project(x_t[:, None], position[:, None])  # [B, H, 1, Dh]
+        keys, values, valid = cache.append(k[:, :, 0], v[:, :, 0])
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :])
+        return self.out(y.reshape(x_t.shape))
+
+
+class KVCache:
+    """A ring buffer of the last ``window`` keys and values of one attention layer, ``[B, H, W, Dh]``."""
+
+    def __init__(self, batch: int, heads: int, window: int, head_dim: int, device, dtype) -> None:
+        self.keys = torch.zeros(batch, heads, window, head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.count = 0  # tokens appended so far (all rows step together)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor):
+        """Store ``k, v [B, H, Dh]``; return the buffers and the ``[B, W]`` mask of filled slots."""
+        window = self.keys.shape[2]
+        slot = self.count % window
+        self.keys[:, :, slot], self.values[:, :, slot] = k, v
+        self.count += 1
+        filled = torch.arange(window, device=k.device) < min(self.count, window)
+        return self.keys, self.values, filled[None].expand(k.shape[0], -1)
+
+
+class MLP(nn.Sequential):
+    def __init__(self, config: ADConfig) -> None:
+        super().__init__(
+            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.GELU(),
+            nn.Linear(4 * config.d_model, config.d_model),
+        )
+
+
+class Block(nn.Module):
+    """Residual block: a token mixer (softmax attention or n-gram attention) then an MLP, pre- or post-norm."""
+
+    def __init__(self, config: ADConfig, ngram_size: int | None = None) -> None:
+        super().__init__()
+        self.pre_norm = config.pre_norm
+        self.norm1, self.norm2 = nn.LayerNorm(config.d_model), nn.LayerNorm(config.d_model)
+        if ngram_size is None:
+            self.mixer = CausalSelfAttention(config)
+        else:
+            self.mixer = NGramAttention(config.d_model, ngram_size, backend=config.backend)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.residual_dropout)
+
+    @property
+    def is_ngram(self) -> bool:
+        return isinstance(self.mixer, NGramAttention)
+
+    def _residual(self, x: torch.Tensor, mix) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(mix(self.norm1(x)))
+            return x + self.dropout(self.mlp(self.norm2(x)))
+        x = self.norm1(x + self.dropout(mix(x)))
+        return self.norm2(x + self.dropout(self.mlp(x)))
+
+    def forward(self, x, positions, ids, window):
+        if self.is_ngram:
+            return self._residual(x, lambda h: self.mixer(h, ids))
+        return self._residual(x, lambda h: self.mixer(h, positions, window))
+
+    def step(self, x_t, position, ids_t, state):
+        if self.is_ngram:
+            return self._residual(x_t, lambda h: self.mixer.step(state, h, ids_t))
+        return self._residual(x_t, lambda h: self.mixer.step(h, position, state))
+
+
+class ADModel(nn.Module):
+    """AD / N-Gram AD: ``forward(states, prev_actions, prev_rewards) -> logits [B, L, num_actions]``.
+
+    Inputs (``[B, L]`` each): ``states`` int ids in ``[0, num_states)``; ``prev_actions`` int in
+    ``[-1, num_actions)`` (-1: no previous action, the first step of a context); ``prev_rewards``
+    float (0 with no previous step).
+    """
+
+    def __init__(self, config: ADConfig) -> None:
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.state_embedding = nn.Embedding(config.num_states, d)
+        self.action_embedding = nn.Embedding(config.num_actions + 1, d)  # row 0: no previous action
+        self.reward_embedding = nn.Linear(1, d)
+        self.token_projection = nn.Linear(3 * d, d)
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.blocks = nn.ModuleList(
+            [Block(config, n) for n in config.ngram_sizes] + [Block(config) for _ in range(config.num_layers)]
+        )
+        self.final_norm = nn.LayerNorm(d) if config.pre_norm else nn.Identity()
+        self.action_head = nn.Linear(d, config.num_actions)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def _tokens(self, states, prev_actions, prev_rewards) -> torch.Tensor:
+        parts = [
+            self.state_embedding(states),
+            self.action_embedding(prev_actions + 1),
+            self.reward_embedding(prev_rewards[..., None].to(self.reward_embedding.weight.dtype)),
+        ]
+        return self.embedding_dropout(self.token_projection(torch.cat(parts, dim=-1)))
+
+    def ngram_ids(self, states, prev_actions, prev_rewards) -> torch.Tensor | None:
+        """The token ids the n-gram layers match (``None`` for plain AD)."""
+        if not self.config.ngram_sizes:
+            return None
+        c = self.config
+        if c.ngram_tokens == "state":
+            return states
+        rewards = prev_rewards.round().long().clamp(0, c.num_rewards - 1)
+        return transition_ids(
+            states, prev_actions + 1, rewards,
+            num_states=c.num_states, num_actions=c.num_actions + 1, num_rewards=c.num_rewards,
+        )  # fmt: skip
+
+    def forward(self, states, prev_actions, prev_rewards, *, window: int | None = None) -> torch.Tensor:
+        """Logits ``[B, L, num_actions]``. ``window``: each token attends to at most this many tokens
+        (itself included); ``None`` attends to the whole prefix (training windows)."""
+        x = self._tokens(states, prev_actions, prev_rewards)
+        positions = torch.arange(states.shape[1], device=states.device).expand(states.shape)
+        ids = self.ngram_ids(states, prev_actions, prev_rewards)
+        for block in self.blocks:
+            x = block(x, positions, ids, window)
+        return self.action_head(self.final_norm(x))
+
+    def loss(self, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0) -> torch.Tensor:
+        """:func:`action_loss` of this model on a :class:`~icrl_models.data.HistoryWindows` batch."""
+        return action_loss(self(batch["states"], batch["prev_actions"], batch["prev_rewards"]), batch, label_smoothing)
+
+    def init_decode_state(self, batch: int, max_steps: int) -> ADDecodeState:
+        """A fresh incremental-decoding state for ``batch`` contexts of up to ``max_steps`` steps."""
+        return ADDecodeState(self, batch, max_steps)
+
+    @torch.no_grad()
+    def step(self, state: ADDecodeState, states_t, prev_actions_t, prev_rewards_t) -> torch.Tensor:
+        """Logits ``[B, num_actions]`` of one new step per context (``[B]`` inputs), updating ``state``.
+
+        Equal to the last row of ``forward(..., window=seq_len)`` over the whole context so far."""
+        x = self._tokens(states_t, prev_actions_t, prev_rewards_t)
+        ids = self.ngram_ids(states_t, prev_actions_t, prev_rewards_t)
+        position = torch.full_like(states_t, state.steps)
+        for block, layer_state in zip(self.blocks, state.layers):
+            x = block.step(x, position, ids, layer_state)
+        state.steps += 1
+        return self.action_head(self.final_norm(x))
+
+
+class ADDecodeState:
+    """Per-layer incremental state of :meth:`ADModel.step`: a key/value ring buffer of ``seq_len``
+    tokens for attention blocks, an :class:`~icrl_kernels.NGramDecodeState` for n-gram blocks."""
+
+    def __init__(self, model: ADModel, batch: int, max_steps: int) -> None:
+        config = model.config
+        weight = model.action_head.weight
+        self.steps = 0
+        self.layers = []
+        for block in model.blocks:
+            if block.is_ngram:
+                self.layers.append(block.mixer.init_decode_state(batch, max_steps))
+            else:
+                head_dim = config.d_model // config.num_heads
+                self.layers.append(
+                    KVCache(batch, config.num_heads, config.seq_len, head_dim, weight.device, weight.dtype)
+                )
+
+
+def action_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of ``logits [B, L, A]`` against ``batch["actions"]`` over unpadded steps (``batch["mask"]``)."""
+    mask = batch["mask"]
+    return F.cross_entropy(logits[mask].float(), batch["actions"][mask], label_smoothing=label_smoothing)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "count_parameters"]

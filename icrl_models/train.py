@@ -1,0 +1,359 @@
+"""``icrl-train``: train AD or N-Gram AD on learning histories, then evaluate it in context.
+
+The default is the project's main job, sized for a 2-core CPU: Dark Room, N-Gram AD (n-gram layers
+with n = 1, 2 over state ids, then two attention blocks), Q-learning histories on 60 training goals,
+evaluated on the 21 held-out goals. Everything is one dataclass, :class:`TrainConfig`; every field is
+a command-line flag (``icrl-train --help``).
+
+Steps: (1) load the training dataset, or generate it with the source algorithm and cache it in the
+run folder; (2) train with AdamW, linear warm-up then cosine decay, bf16 autocast on CUDA, a
+progress bar, metrics appended to ``metrics.jsonl``, and an atomic ``checkpoint.pt`` every
+``checkpoint_every`` steps (a killed run resumes from it); (3) roll the model out in context on
+held-out tasks and write ``eval.json`` / ``eval.png``, printing a table.
+
+Data parallel: ``torchrun --nproc-per-node G -m icrl_models.train ...`` trains on G GPUs (NCCL) or
+processes (gloo); each rank samples its own windows, rank 0 writes data, checkpoints and reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from .config import add_config_arguments, config_from_args
+from .data import GenerateConfig, HistoryWindows, LearningHistories, generate_histories, load_histories, save_histories
+from .data.generate import build_env
+from .envs.splits import grid_task_split
+from .evaluate import EvalReport, evaluate
+from .generators import make_agent
+from .models.ad import ADConfig, ADModel, action_loss, count_parameters
+
+GRID_ENVS = ("dark_room", "key_to_door", "dark_room_composite")
+MODEL_KINDS = ("ngram_ad", "ad")
+
+
+@dataclass
+class TrainConfig:
+    """One run. Model knobs follow the N-gram paper's Table 1; defaults are the CPU-sized main job."""
+
+    # -- data --------------------------------------------------------------------------------------
+    env: str = dataclasses.field(default="dark_room", metadata={"help": f"one of {GRID_ENVS}"})
+    data: str | None = dataclasses.field(
+        default=None, metadata={"help": "training dataset (icrl-data); default: generate into the run folder"}
+    )
+    num_histories: int = dataclasses.field(default=1000, metadata={"help": "histories to generate"})
+    num_train_tasks: int | None = dataclasses.field(default=None, metadata={"help": "size of the train split"})
+    source_episodes: int = dataclasses.field(default=200, metadata={"help": "episodes per generated history"})
+    episode_length: int | None = dataclasses.field(default=None, metadata={"help": "env episode length"})
+    # -- model -------------------------------------------------------------------------------------
+    model: str = dataclasses.field(default="ngram_ad", metadata={"help": f"one of {MODEL_KINDS}"})
+    ngram_sizes: str = dataclasses.field(default="1,2", metadata={"help": "n of each n-gram block (ngram_ad)"})
+    ngram_tokens: str = dataclasses.field(default="state", metadata={"help": "state or transition ids"})
+    seq_len: int = 200
+    d_model: int = 64
+    num_heads: int = 4
+    num_layers: int = dataclasses.field(default=2, metadata={"help": "softmax-attention blocks"})
+    pre_norm: bool = True
+    qk_norm: bool = False
+    embedding_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    label_smoothing: float = 0.0
+    episode_subsample: int = dataclasses.field(default=20, metadata={"help": "train on every k-th episode"})
+    backend: str = dataclasses.field(default="auto", metadata={"help": "kernels: auto, triton, eager, reference"})
+    # -- optimisation ------------------------------------------------------------------------------
+    steps: int = 3000
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    weight_decay: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.99
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    # -- evaluation --------------------------------------------------------------------------------
+    eval_episodes: int = dataclasses.field(default=40, metadata={"help": "in-context episodes per task"})
+    eval_envs_per_task: int = dataclasses.field(default=4, metadata={"help": "rollouts per held-out task"})
+    eval_tasks: int | None = dataclasses.field(
+        default=None, metadata={"help": "held-out tasks to evaluate on (default all; Key-to-Door has 6461)"}
+    )
+    eval_every: int = dataclasses.field(default=0, metadata={"help": "also evaluate every N steps (0: at the end)"})
+    sample_actions: bool = dataclasses.field(default=True, metadata={"help": "sample (else argmax) at evaluation"})
+    # -- run ---------------------------------------------------------------------------------------
+    out_dir: str = dataclasses.field(default="runs/main", metadata={"help": "run folder"})
+    checkpoint_every: int = 500
+    log_every: int = 50
+    seed: int = 0
+    device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.env not in GRID_ENVS:
+            raise ValueError(f"env must be one of {GRID_ENVS} (AD embeds discrete states), got {self.env!r}")
+        if self.model not in MODEL_KINDS:
+            raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
+        for name in ("steps", "batch_size", "seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def ngram_tuple(self) -> tuple[int, ...]:
+        if self.model == "ad" or not self.ngram_sizes.strip():
+            return ()
+        try:
+            return tuple(int(n) for n in self.ngram_sizes.split(","))
+        except ValueError:
+            raise ValueError(f"ngram_sizes must be comma-separated ints, got {self.ngram_sizes!r}") from None
+
+    def generate_config(self, split: str, num_histories: int, num_episodes: int) -> GenerateConfig:
+        return GenerateConfig(
+            env=self.env,
+            split=split,
+            num_histories=num_histories,
+            num_episodes=num_episodes,
+            episode_length=self.episode_length,
+            num_train_tasks=self.num_train_tasks,
+            seed=self.seed,
+        )
+
+    def model_config(self, histories: LearningHistories) -> ADConfig:
+        env = histories.metadata["env"]
+        return ADConfig(
+            num_states=env["num_observations"],
+            num_actions=env["num_actions"],
+            num_rewards=int(env["reward_range"][1]) + 1,
+            seq_len=self.seq_len,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            num_layers=self.num_layers,
+            ngram_sizes=self.ngram_tuple(),
+            ngram_tokens=self.ngram_tokens,
+            pre_norm=self.pre_norm,
+            qk_norm=self.qk_norm,
+            embedding_dropout=self.embedding_dropout,
+            residual_dropout=self.residual_dropout,
+            attention_dropout=self.attention_dropout,
+            backend=self.backend,
+        )
+
+
+#: Config fields that define what a checkpoint holds; resuming with any of them changed is refused.
+RUN_IDENTITY_FIELDS = (
+    "env", "data", "num_histories", "num_train_tasks", "source_episodes", "episode_length", "model", "ngram_sizes",
+    "ngram_tokens", "seq_len", "d_model", "num_heads", "num_layers", "pre_norm", "qk_norm", "episode_subsample",
+    "steps", "batch_size", "learning_rate", "weight_decay", "beta1", "beta2", "warmup_steps", "seed",
+)  # fmt: skip
+
+
+def learning_rate_at(step: int, config: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to 0 at ``steps``."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Distributed:
+    """Rank bookkeeping; a single process when not launched by ``torchrun``."""
+
+    def __init__(self, device_name: str) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = resolve_device(device_name, local_rank)
+        if self.world_size > 1 and not dist.is_initialized():
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def load_or_generate(config: TrainConfig, run_dir: Path, ddp: Distributed) -> LearningHistories:
+    """The training histories: ``config.data``, or ``run_dir/train.icrl`` generated once (by rank 0)."""
+    generate = config.generate_config("train", config.num_histories, config.source_episodes)
+    if config.data is not None:
+        return load_histories(config.data, expect={"split": "train"})
+    path = run_dir / "train.icrl"
+    expected = {"env": {"name": config.env}, "config": dataclasses.asdict(generate)}
+    if ddp.is_main and not path.exists():
+        save_histories(generate_histories(generate, progress=config.progress), path)
+    ddp.barrier()
+    return load_histories(path, expect=expected)
+
+
+def make_eval_env_factory(config: TrainConfig):
+    """``seed -> BatchedEnv`` over the held-out (test-split) tasks, ``eval_envs_per_task`` rollouts each."""
+    num_tasks = config.eval_tasks or grid_task_split(config.env, num_train=config.num_train_tasks)["test"].size
+    generate = config.generate_config("test", int(num_tasks) * config.eval_envs_per_task, 1)
+    generate.num_tasks = config.eval_tasks
+
+    def make(seed: int):
+        return build_env(dataclasses.replace(generate, seed=seed))[0]
+
+    return make
+
+
+def run_evaluation(model: ADModel, config: TrainConfig, histories: LearningHistories, seed: int) -> EvalReport:
+    source = histories.metadata["generator"]
+    return evaluate(
+        model,
+        make_eval_env_factory(config),
+        num_episodes=config.eval_episodes,
+        source=make_agent(source["name"], **source["config"]),
+        source_episodes=int(histories.metadata["num_episodes"]),
+        episode_subsample=config.episode_subsample,
+        sample=config.sample_actions,
+        seed=seed,
+        progress=config.progress,
+    )
+
+
+def train(config: TrainConfig) -> dict:
+    """Run (or resume) one training run; returns the final evaluation summary (rank 0; {} elsewhere)."""
+    ddp = Distributed(config.device)
+    run_dir = Path(config.out_dir)
+    if ddp.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+    ddp.barrier()
+    start_time = time.perf_counter()
+    histories = load_or_generate(config, run_dir, ddp)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+
+    torch.manual_seed(config.seed)
+    model = ADModel(config.model_config(histories)).to(ddp.device)
+    betas = (config.beta1, config.beta2)
+    optimizer = torch.optim.AdamW(model.parameters(), config.learning_rate, betas, weight_decay=config.weight_decay)
+    rng = np.random.default_rng([config.seed, ddp.rank])
+    step = 0
+    checkpoint_path = run_dir / "checkpoint.pt"
+    identity = {name: getattr(config, name) for name in RUN_IDENTITY_FIELDS}
+    if checkpoint_path.exists():
+        payload = load_checkpoint(checkpoint_path, expect_config=identity)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
+        torch.set_rng_state(payload["rng"]["torch"])
+        step = int(payload["step"])
+    trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
+    metrics = open(run_dir / "metrics.jsonl", "a") if ddp.is_main else None
+    show = config.progress and ddp.is_main
+    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
+    if ddp.is_main and step == 0:
+        size = f"{count_parameters(model):,} parameters, {len(windows):,} training windows"
+        print(f"{config.model}: {size}", file=sys.stderr)
+    model.train()
+    while step < config.steps:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(step, config)
+        batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
+        batch = {name: value.to(ddp.device, non_blocking=True) for name, value in batch.items()}
+        with autocast:
+            loss = _loss(trained, batch, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        step += 1
+        bar.update(1)
+        if metrics is not None and (step % config.log_every == 0 or step == config.steps):
+            record = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
+                      "grad_norm": float(grad_norm), "seconds": time.perf_counter() - start_time}  # fmt: skip
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if step % config.checkpoint_every == 0 or step == config.steps:
+            _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
+        if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
+            report = run_evaluation(model, config, histories, seed=config.seed + 1)
+            metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
+            metrics.flush()
+            model.train()
+    bar.close()
+
+    summary: dict = {}
+    if ddp.is_main:
+        report = run_evaluation(model, config, histories, seed=config.seed + 1)
+        json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
+        summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
+        metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
+        metrics.close()
+        print(report.table())
+        print(
+            f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
+            f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
+            f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
+            f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
+        )
+    ddp.barrier()
+    return summary
+
+
+def _loss(trained, batch, config: TrainConfig) -> torch.Tensor:
+    # Call the (possibly DDP-wrapped) module itself: DDP synchronises gradients through its forward.
+    logits = trained(batch["states"], batch["prev_actions"], batch["prev_rewards"])
+    return action_loss(logits, batch, config.label_smoothing)
+
+
+def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -> None:
+    states = [None] * ddp.world_size
+    if ddp.world_size > 1:
+        dist.all_gather_object(states, rng.bit_generator.state)
+    else:
+        states = [rng.bit_generator.state]
+    if ddp.is_main:
+        save_checkpoint(
+            {
+                "version": CHECKPOINT_VERSION,
+                "step": step,
+                "config": identity,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "rng": {"numpy": states, "torch": torch.get_rng_state()},
+            },
+            path,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="icrl-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_config_arguments(parser, TrainConfig)
+    args = parser.parse_args(argv)
+    try:
+        train(config_from_args(TrainConfig, args))
+    except (CheckpointError, ValueError, FileNotFoundError) as error:
+        print(f"icrl-train: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
