@@ -68,6 +68,7 @@ class CompareConfig:
     num_train_tasks: int | None = dataclasses.field(default=None, metadata={"help": "data budget: training goals"})
     source_episodes: int = 200
     ngram_sizes: str = "1,2"
+    backend: str = dataclasses.field(default="auto", metadata={"help": "n-gram kernels (see icrl-train)"})
     eval_episodes: int = 40
     eval_envs_per_task: int = 2
     out_dir: str = "runs/compare"
@@ -80,8 +81,8 @@ def compare(config: CompareConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     base = TrainConfig(
         env=config.env, num_histories=config.num_histories, num_train_tasks=config.num_train_tasks,
-        source_episodes=config.source_episodes, ngram_sizes=config.ngram_sizes, steps=config.steps,
-        eval_episodes=config.eval_episodes, eval_envs_per_task=config.eval_envs_per_task,
+        source_episodes=config.source_episodes, ngram_sizes=config.ngram_sizes, backend=config.backend,
+        steps=config.steps, eval_episodes=config.eval_episodes, eval_envs_per_task=config.eval_envs_per_task,
         seed=config.seed, progress=config.progress,
     )  # fmt: skip
     data = out / "train.icrl"

@@ -62,7 +62,7 @@ class TrainConfig:
     model: str = dataclasses.field(default="ngram_ad", metadata={"help": f"one of {MODEL_KINDS}"})
     ngram_sizes: str = dataclasses.field(default="1,2", metadata={"help": "n of each n-gram block (ngram_ad)"})
     ngram_tokens: str = dataclasses.field(default="state", metadata={"help": "state or transition ids"})
-    seq_len: int = 200
+    seq_len: int = 100
     d_model: int = 64
     num_heads: int = 4
     num_layers: int = dataclasses.field(default=2, metadata={"help": "softmax-attention blocks"})
@@ -84,7 +84,7 @@ class TrainConfig:
     warmup_steps: int = 100
     grad_clip: float = 1.0
     # -- evaluation --------------------------------------------------------------------------------
-    eval_episodes: int = dataclasses.field(default=40, metadata={"help": "in-context episodes per task"})
+    eval_episodes: int = dataclasses.field(default=60, metadata={"help": "in-context episodes per task"})
     eval_envs_per_task: int = dataclasses.field(default=4, metadata={"help": "rollouts per held-out task"})
     eval_tasks: int | None = dataclasses.field(
         default=None, metadata={"help": "held-out tasks to evaluate on (default all; Key-to-Door has 6461)"}

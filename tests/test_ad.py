@@ -100,7 +100,9 @@ def tiny_histories():
 def test_loss_decreases_on_a_tiny_dataset(tiny_histories, ngram_sizes):
     torch.manual_seed(0)
     windows = HistoryWindows(tiny_histories, 40, episode_subsample=3)
-    model = ADModel(ADConfig(seq_len=40, d_model=32, num_heads=2, num_layers=1, ngram_sizes=ngram_sizes))
+    # The eager backend: this checks learning, not kernels (the Triton interpreter would take a minute).
+    config = ADConfig(seq_len=40, d_model=32, num_heads=2, num_layers=1, ngram_sizes=ngram_sizes, backend="eager")
+    model = ADModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     batch = windows.get_batch(np.arange(0, len(windows), max(1, len(windows) // 16)))
     with torch.no_grad():
@@ -254,9 +256,46 @@ def test_compare_command_end_to_end(tmp_path, capsys):
     from icrl_models.compare import main
 
     argv = ["--runs", "2", "--steps", "2", "--num-histories", "6", "--source-episodes", "20", "--eval-episodes", "2"]
-    assert main([*argv, "--eval-envs-per-task", "1", "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    argv += ["--eval-envs-per-task", "1", "--backend", "eager", "--out-dir", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
     result = json.loads((tmp_path / "compare.json").read_text())
     assert len(result["scores"]["ad"]) == len(result["scores"]["ngram_ad"]) == 2
     assert len(result["expected_max_performance"]["ngram_ad"]) == 2
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("ngram_sizes", [(), (1, 2)], ids=["ad", "ngram_ad"])
+def test_cached_rollout_takes_the_actions_of_full_recomputation(ngram_sizes):
+    """Greedy rollouts in Dark Room: the KV-cached, n-gram-incremental policy and a policy that reruns the
+    whole context through the model at every step (sliding window of seq_len) act identically, also
+    once the context is longer than seq_len."""
+    torch.manual_seed(0)
+    config = ADConfig(seq_len=12, d_model=16, num_heads=2, num_layers=2, ngram_sizes=ngram_sizes, backend="eager")
+    model = ADModel(config).eval()
+    goals = np.array([3, 40, 44, 80])
+    episodes = 2  # 40 steps: more than three windows
+
+    cached_actions = []
+    env = DarkRoom(goals)
+    original_step = env.step
+    env.step = lambda actions: cached_actions.append(actions.copy()) or original_step(actions)
+    cached_returns = rollout_in_context(model, env, episodes, sample=False)
+
+    env = DarkRoom(goals)
+    observations = env.reset()
+    states, prev_actions, prev_rewards = [], [torch.full((4,), -1)], [torch.zeros(4)]
+    returns = np.zeros((4, episodes))
+    for t in range(episodes * env.episode_length):
+        states.append(torch.from_numpy(observations))
+        with torch.no_grad():
+            logits = model(torch.stack(states, 1), torch.stack(prev_actions, 1), torch.stack(prev_rewards, 1),
+                           window=config.seq_len)  # fmt: skip
+        actions = logits[:, -1].argmax(-1)
+        np.testing.assert_array_equal(actions.numpy(), cached_actions[t], err_msg=f"step {t}")
+        result = env.step(actions.numpy())
+        returns[:, t // env.episode_length] += result.rewards
+        observations = env.reset() if result.truncated.any() else result.observations
+        prev_actions.append(actions)
+        prev_rewards.append(torch.from_numpy(result.rewards))
+    np.testing.assert_array_equal(returns, cached_returns)
