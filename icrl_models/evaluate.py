@@ -140,6 +140,7 @@ def evaluate(
     in-context episodes; ``source_final_return`` the source algorithm's over its last 10 of
     ``source_episodes`` episodes, learned from scratch on the same tasks.
     """
+    final_episodes = min(final_episodes, num_episodes)
     model_returns = rollout_in_context(model, make_env(seed), num_episodes, sample=sample, seed=seed, progress=progress)
     source_env = make_env(seed)
     source_returns = collect_histories(source_env, source, source_episodes, seed=seed, progress=False).episode_returns()
