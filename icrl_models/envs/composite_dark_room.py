@@ -14,8 +14,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .base import BatchedEnv, as_index_array, check_positive_int
-from .grid import MOVE_NAMES, NUM_MOVES, centre_cell, move_table
+from .base import as_index_array
+from .grid import MOVE_NAMES, NUM_MOVES, GoalGridEnv, centre_cell, move_table
 
 MOVES_PER_ACTION = 3
 NUM_COMPOSITE_ACTIONS = NUM_MOVES**MOVES_PER_ACTION
@@ -69,7 +69,7 @@ def composite_action_sets(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-class CompositeDarkRoom(BatchedEnv):
+class CompositeDarkRoom(GoalGridEnv):
     """Batched composite-action Darkroom.
 
     Args:
@@ -86,11 +86,7 @@ class CompositeDarkRoom(BatchedEnv):
     def __init__(
         self, goals, *, action_set=None, size: int = 9, episode_length: int = 20, seed: int | None = None
     ) -> None:
-        self.size = check_positive_int(size, "size")
-        goals = as_index_array(goals, "goals", low=0, high=self.size**2)
-        if goals.ndim != 1 or goals.size == 0:
-            raise ValueError(f"goals must be a non-empty 1-D array of cell ids, got shape {goals.shape}")
-        super().__init__(goals.size, NUM_COMPOSITE_ACTIONS, episode_length, seed)
+        super().__init__(goals, NUM_COMPOSITE_ACTIONS, size=size, episode_length=episode_length, seed=seed)
         if action_set is None:
             action_set = np.arange(NUM_COMPOSITE_ACTIONS)
         action_set = as_index_array(action_set, "action_set", low=0, high=NUM_COMPOSITE_ACTIONS)
@@ -100,18 +96,11 @@ class CompositeDarkRoom(BatchedEnv):
             raise ValueError(f"action_set must be [A] or [num_envs, A] with A >= 1, got shape {action_set.shape}")
         if any(np.unique(row).size != row.size for row in action_set):
             raise ValueError("action_set must not repeat an action")
-        self.goals = goals
         self.action_set = np.ascontiguousarray(action_set)
         self._available = np.zeros((self.num_envs, NUM_COMPOSITE_ACTIONS), dtype=bool)
         self._available[np.arange(self.num_envs)[:, None], self.action_set] = True
-        self.num_observations = self.size**2
-        self.num_learner_states = self.num_observations
-        self.positions = np.full(self.num_envs, centre_cell(self.size), dtype=np.int64)
         self._paths = composite_paths(self.size)
         self._tables: tuple[np.ndarray, np.ndarray] | None = None
-
-    def _reset(self, env_ids: np.ndarray) -> None:
-        self.positions[env_ids] = centre_cell(self.size)
 
     def _step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         path = self._paths[self.positions, actions]  # [N, 3]
@@ -121,9 +110,6 @@ class CompositeDarkRoom(BatchedEnv):
 
     def action_sets(self) -> np.ndarray:
         return self.action_set.copy()
-
-    def observations(self) -> np.ndarray:
-        return self.positions.copy()
 
     def _goal_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Cached ``(hits [N, cells, 125] bool, steps [N, cells] int64)``: which available actions cross
@@ -156,12 +142,3 @@ class CompositeDarkRoom(BatchedEnv):
         remaining = steps[rows[:, None], self._paths[self.positions, :, -1]]  # [N, 125] after each action
         remaining = np.where(hits[rows, self.positions], 0, remaining)
         return np.where(self._available, remaining, np.iinfo(np.int64).max).argmin(axis=1)
-
-    def task_ids(self) -> np.ndarray:
-        return self.goals.copy()
-
-    def task_params(self) -> dict[str, np.ndarray]:
-        return {"goal": self.goals.copy()}
-
-    def config(self) -> dict:
-        return {"size": self.size, "episode_length": self.episode_length}

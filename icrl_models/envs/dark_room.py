@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import BatchedEnv, as_index_array, check_positive_int
-from .grid import NUM_MOVES, centre_cell, greedy_moves, manhattan, move_table
+from .grid import NUM_MOVES, GoalGridEnv, centre_cell, greedy_moves, manhattan, move_table
 
 
-class DarkRoom(BatchedEnv):
+class DarkRoom(GoalGridEnv):
     """Batched Dark Room.
 
     Args:
@@ -28,26 +27,12 @@ class DarkRoom(BatchedEnv):
     name = "dark_room"
 
     def __init__(self, goals, *, size: int = 9, episode_length: int = 20, seed: int | None = None) -> None:
-        self.size = check_positive_int(size, "size")
-        goals = as_index_array(goals, "goals", low=0, high=self.size**2)
-        if goals.ndim != 1 or goals.size == 0:
-            raise ValueError(f"goals must be a non-empty 1-D array of cell ids, got shape {goals.shape}")
-        super().__init__(goals.size, NUM_MOVES, episode_length, seed)
-        self.goals = goals
-        self.num_observations = self.size**2
-        self.num_learner_states = self.num_observations
-        self.positions = np.full(self.num_envs, centre_cell(self.size), dtype=np.int64)
+        super().__init__(goals, NUM_MOVES, size=size, episode_length=episode_length, seed=seed)
         self._moves = move_table(self.size)
-
-    def _reset(self, env_ids: np.ndarray) -> None:
-        self.positions[env_ids] = centre_cell(self.size)
 
     def _step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         self.positions = self._moves[self.positions, actions]
         return (self.positions == self.goals).astype(np.float32), np.zeros(self.num_envs, dtype=bool)
-
-    def observations(self) -> np.ndarray:
-        return self.positions.copy()
 
     def optimal_returns(self) -> np.ndarray:
         """Walk straight to the goal (d moves), then stay: ``T - d + 1`` rewarded steps, ``T`` if d = 0."""
@@ -57,12 +42,3 @@ class DarkRoom(BatchedEnv):
 
     def optimal_actions(self) -> np.ndarray:
         return greedy_moves(self.positions, self.goals, self.size)
-
-    def task_ids(self) -> np.ndarray:
-        return self.goals.copy()
-
-    def task_params(self) -> dict[str, np.ndarray]:
-        return {"goal": self.goals.copy()}
-
-    def config(self) -> dict:
-        return {"size": self.size, "episode_length": self.episode_length}

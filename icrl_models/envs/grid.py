@@ -10,6 +10,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from .base import BatchedEnv, as_index_array, check_positive_int
+
 MOVE_NAMES = ("noop", "up", "right", "down", "left")
 #: (row, col) offset of each atomic move, in action-id order.
 MOVE_OFFSETS = np.array([[0, 0], [-1, 0], [0, 1], [1, 0], [0, -1]], dtype=np.int64)
@@ -48,3 +50,34 @@ def greedy_moves(cells: np.ndarray, targets: np.ndarray, size: int) -> np.ndarra
     moves = np.where(row < target_row, 3, moves)
     moves = np.where(row > target_row, 1, moves)
     return moves
+
+
+class GoalGridEnv(BatchedEnv):
+    """Shared by Dark Room and the composite Darkroom: a ``size x size`` grid, every episode starting at
+    the centre cell, one invisible goal cell per environment (the task id), the cell id observed."""
+
+    def __init__(self, goals, num_actions: int, *, size: int, episode_length: int, seed) -> None:
+        self.size = check_positive_int(size, "size")
+        goals = as_index_array(goals, "goals", low=0, high=self.size**2)
+        if goals.ndim != 1 or goals.size == 0:
+            raise ValueError(f"goals must be a non-empty 1-D array of cell ids, got shape {goals.shape}")
+        super().__init__(goals.size, num_actions, episode_length, seed)
+        self.goals = goals
+        self.num_observations = self.size**2
+        self.num_learner_states = self.num_observations
+        self.positions = np.full(self.num_envs, centre_cell(self.size), dtype=np.int64)
+
+    def _reset(self, env_ids: np.ndarray) -> None:
+        self.positions[env_ids] = centre_cell(self.size)
+
+    def observations(self) -> np.ndarray:
+        return self.positions.copy()
+
+    def task_ids(self) -> np.ndarray:
+        return self.goals.copy()
+
+    def task_params(self) -> dict[str, np.ndarray]:
+        return {"goal": self.goals.copy()}
+
+    def config(self) -> dict:
+        return {"size": self.size, "episode_length": self.episode_length}
