@@ -14,7 +14,9 @@ from .contrastive import (
     select_actions,
     select_actions_reference,
 )
-from .modules import ActionMap, NGramAttention, SmearedKeyAttention
+from .looped import inject_layer_norm, inject_layer_norm_reference
+from .moa import mixture_of_heads, mixture_of_heads_reference
+from .modules import ActionMap, LoopedBlock, MoAAttention, NGramAttention, SmearedKeyAttention
 from .ngram import (
     NGramDecodeState,
     NGramPlan,
@@ -30,12 +32,18 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "ActionMap",
+    "LoopedBlock",
+    "MoAAttention",
     "NGramAttention",
     "NGramDecodeState",
     "NGramPlan",
     "OvercompleteEmbeddingWarning",
     "infonce_loss",
     "infonce_loss_reference",
+    "inject_layer_norm",
+    "inject_layer_norm_reference",
+    "mixture_of_heads",
+    "mixture_of_heads_reference",
     "ngram_attention",
     "ngram_attention_reference",
     "ngram_plan",

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -76,3 +80,172 @@ def triton_devices() -> list:
     if torch.cuda.is_available():
         devices.append(pytest.param("cuda", marks=pytest.mark.gpu))
     return devices
+
+
+# --- compiled (non-interpreter) kernels without a GPU ---------------------------------------------
+#
+# The CPU interpreter accepts code the real compiler rejects (and the reverse), so every op's tests
+# also compile its kernels for an H100 (sm_90) in a subprocess without ``TRITON_INTERPRET``:
+#
+#     reports = run_offline_compile("from icrl_kernels.testing import ...; print(json.dumps(...))")
+
+
+def _unwrap_jit(kernel):
+    """The ``JITFunction`` under ``triton.autotune`` / ``triton.heuristics`` wrappers."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def _specialise(value) -> tuple[str, bool]:
+    """``(type, divisible by 16)`` of a runtime argument, as a launch specialises it."""
+    if isinstance(value, str):
+        return value, value.startswith("*")  # fresh torch allocations are 16-byte aligned
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", False
+    raise TypeError(f"signature values are Triton type strings or sample ints/floats, got {value!r}")
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers and stack bytes per thread of the one kernel in ``cubin``, from ``cuobjdump -res-usage``."""
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        text = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-res-usage", file.name], capture_output=True, text=True, check=True
+        ).stdout
+    usage = dict(re.findall(r"\b(REG|STACK):(\d+)", text))
+    return {"registers": int(usage["REG"]), "stack": int(usage["STACK"])}
+
+
+def compile_for_gpu_offline(
+    kernel, signature: Mapping[str, object], constexprs: Mapping[str, object], *, num_warps: int = 4,
+    num_stages: int = 3, arch: int = 90,
+) -> dict:  # fmt: skip
+    """Compile a ``@triton.jit`` kernel to a CUDA cubin for compute capability ``arch``, no GPU needed.
+
+    Runs the real compiler (TTIR -> TTGIR -> LLVM -> PTX -> ptxas, Triton's cache applies), which
+    rejects code the interpreter accepts. Call it in a process *without* ``TRITON_INTERPRET`` (see
+    :func:`run_offline_compile`): under the interpreter ``@triton.jit`` does not make a ``JITFunction``.
+
+    ``kernel`` may be autotuned. ``signature`` maps every runtime argument to a Triton type string
+    (``"*bf16"``, ``"i32"``; pointers count as 16-byte aligned, as fresh torch tensors are) or to a
+    sample ``int`` / ``float`` specialised as a launch would: ``1`` becomes a constant, multiples of
+    16 get the divisibility hint that lets loads vectorise. ``constexprs`` gives every ``tl.constexpr``.
+    Names the kernel does not take are ignored (one pair of dicts can serve a forward and a backward).
+    Returns ``{"name", "registers", "stack", "shared"}``: registers per thread and stack bytes per
+    thread (register spills: Triton inlines every call) from the cubin, shared memory bytes per program.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _unwrap_jit(kernel)
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    types, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name not in constexprs and name not in signature:
+            raise KeyError(f"{fn.__name__}: no signature entry or constexpr for argument {name!r}")
+        value = constexprs.get(name, signature.get(name))
+        if name in constexprs or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            types[name], constexprs[name] = "constexpr", value
+            continue
+        types[name], divisible = _specialise(value)
+        attrs[(index,)] = [["tt.divisibility", 16]] if divisible else []
+    compiled = triton.compile(
+        ASTSource(fn, types, constexprs, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    return {"name": fn.__name__, **_resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+
+
+def configs_to_compile(kernel, dtypes: tuple[str, str] = ("bf16", "fp32")) -> list[tuple]:
+    """``(autotune config, dtype)`` pairs of ``kernel`` worth compiling offline: the first config (the
+    interpreter's) in ``dtypes[0]`` and the largest tile (the most registers and shared memory) in
+    ``dtypes[1]``; every config in every dtype when ``ICRL_COMPILE_ALL_CONFIGS=1`` (slow: ~1 s a compile)."""
+    configs = list(kernel.configs)
+    if os.environ.get("ICRL_COMPILE_ALL_CONFIGS") == "1":
+        return [(config, dtype) for config in configs for dtype in dtypes]
+
+    def size(config) -> tuple[int, int]:
+        tile = 1
+        for value in config.kwargs.values():
+            tile *= value
+        return tile, config.num_warps
+
+    return [(configs[0], dtypes[0]), (max(configs, key=size), dtypes[1])]
+
+
+def compile_config(kernel, config, signature: Mapping[str, object], constexprs: Mapping[str, object]) -> dict:
+    """:func:`compile_for_gpu_offline` with an autotune ``config``'s block sizes and warps, named in the report."""
+    report = compile_for_gpu_offline(
+        kernel, signature, {**constexprs, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages
+    )
+    return {**report, "config": {**config.kwargs, "num_warps": config.num_warps}}
+
+
+def offline_compilation_unavailable(arch: int = 90) -> str | None:
+    """Why :func:`compile_for_gpu_offline` cannot work here (no NVIDIA backend or ptxas), or ``None``."""
+    try:
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas
+        from triton.compiler import ASTSource  # noqa: F401
+
+        get_ptxas(arch)
+        knobs.nvidia.cuobjdump  # noqa: B018  (raises where the tool is missing)
+    except Exception as error:  # an older or CPU-only Triton, no bundled ptxas
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def run_offline_compile(code: str, *, arch: int = 90, timeout: float = 300) -> list[dict]:
+    """Run ``code`` in a fresh Python without ``TRITON_INTERPRET`` and return the JSON objects it prints,
+    one a line (e.g. :func:`compile_for_gpu_offline` reports); fail with its stderr if it fails. Skips the
+    calling test, with the reason, where offline compilation is unavailable. One subprocess per test file
+    keeps the import cost (a few seconds) to one."""
+    import json
+
+    import pytest
+
+    reason = offline_compilation_unavailable(arch)
+    if reason is not None:
+        pytest.skip(f"offline compilation unavailable here: {reason}")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"offline compilation failed:\n{result.stderr[-4000:]}"
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    for report in reports:  # shown by pytest -s / -rP
+        print(" ".join(f"{key}={value}" for key, value in report.items()))
+    return reports
+
+
+#: Stack bytes per thread (register spills) above which an offline-compiled kernel fails its test: a few
+#: hundred bytes cost little, kilobytes mean a tile far too large for the register file.
+MAX_SPILL_BYTES = 512
+
+
+def check_offline_reports(reports: list[dict], kernels: set[str], *, max_spill_bytes: int = MAX_SPILL_BYTES) -> None:
+    """Every kernel in ``kernels`` compiled, and none spills more than ``max_spill_bytes`` per thread.
+
+    With ``ICRL_COMPILE_ALL_CONFIGS=1`` heavy spills only warn: the autotuner times every config, so one
+    that spills only loses where another config fits."""
+    import warnings
+
+    assert {report["name"] for report in reports} == kernels, reports
+    heavy = [report for report in reports if report["stack"] > max_spill_bytes]
+    message = f"register spills above {max_spill_bytes} bytes per thread: {heavy}"
+    if os.environ.get("ICRL_COMPILE_ALL_CONFIGS") == "1":
+        if heavy:
+            warnings.warn(message, stacklevel=2)
+        return
+    assert not heavy, message

@@ -40,7 +40,14 @@ from icrl_kernels.contrastive import (
 from icrl_kernels.contrastive import eager as contrastive_eager
 from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, select_actions_op
 from icrl_kernels.modules.action_map import ActionMap
-from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, relative_rms_error, triton_devices
+from icrl_kernels.testing import (
+    RMS_TOLERANCE,
+    assert_close_rel,
+    check_offline_reports,
+    relative_rms_error,
+    run_offline_compile,
+    triton_devices,
+)
 
 
 def _triton_device_params() -> list[tuple[str, tuple]]:
@@ -1088,3 +1095,51 @@ def test_triton_rejects_float64():
         infonce_loss(args["pred"], args["action_embeds"], args["targets"], backend="triton")
     with pytest.raises(TypeError, match="pred must be float16, bfloat16 or float32"):
         select_actions(args["pred"], args["action_embeds"], backend="triton")
+
+
+# --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
+
+_OFFLINE_COMPILE = """
+import json
+from icrl_kernels.contrastive import kernels as k
+from icrl_kernels.testing import compile_config, configs_to_compile
+
+# DESIGN.md section 5: N = B * T = 6400 rows (B = 32, T = 200), D = 512, A = 4096 actions streamed in
+# tiles, one shared map; bf16 launches with a [B, T, A] mask (and Gumbel sampling), fp32 without.
+T, A, D, ROWS = 200, 4096, 512, 6400
+rows = {"targets_ptr": "*i64", "lse_ptr": "*fp32", "weights_ptr": "*fp32"}
+kernels = {
+    k._infonce_forward_kernel: {"loss_ptr": "*fp32", "lse_ptr": "*fp32", "targets_ptr": "*i64", "ignore_index": -100},
+    k._infonce_grad_pred_kernel: {**rows, "stride_gb": T * D, "stride_gt": D, "BLOCK_DO": k._block_out(D, 256)},
+    k._infonce_grad_embeds_kernel: {**rows, "ROWS_PER_SPLIT": 3200, "NUM_SPLITS": 2, "stride_os": A * D,
+                                    "stride_oa": D, "BLOCK_DO": k._block_out(D, 128)},
+    k._select_actions_kernel: {"out_ptr": "*i64", "seed": 2**61 + 7},
+}
+for kernel, extra in kernels.items():
+    for config, dtype in configs_to_compile(kernel):
+        half, masked = dtype != "fp32", dtype == "bf16"
+        signature = {
+            "pred_ptr": "*" + dtype, "embeds_ptr": "*" + dtype, "mask_ptr": "*u1" if masked else "*" + dtype,
+            "grad_ptr": "*" + dtype, "out_ptr": "*fp32",  # grad_embeds: the row split's fp32 partials
+            "T": T, "A": A, "D": D, "ROWS": ROWS, "tau": 0.5,
+            "stride_pb": T * D, "stride_pt": D, "stride_eg": A * D, "stride_ea": D,
+            "stride_mb": T * A if masked else 0, "stride_mt": A if masked else 0, "stride_ma": 1 if masked else 0,
+            **extra,
+        }
+        block_a = k._block_a(A, half or kernel is k._select_actions_kernel)  # as the wrappers pick
+        constexprs = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "BLOCK_A": block_a,
+                      **{name: value for name, value in extra.items() if name.startswith("BLOCK")}}
+        print(json.dumps({**compile_config(kernel, config, signature, constexprs), "dtype": dtype,
+                          "BLOCK_A": block_a}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter accepts code the compiler rejects: compile the InfoNCE and selection kernels to sm_90
+    cubins at the DESIGN.md shapes (first autotune config in bf16, largest tile in fp32; every config with
+    ``ICRL_COMPILE_ALL_CONFIGS=1``) and check that none spills heavily (the fp32 backward with 128-action
+    tiles spilled 17-30 KB per thread)."""
+    reports = run_offline_compile(_OFFLINE_COMPILE)
+    check_offline_reports(reports, {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
+                                    "_infonce_grad_embeds_kernel", "_select_actions_kernel"})  # fmt: skip

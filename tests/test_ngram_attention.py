@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from icrl_kernels import ngram_attention, ngram_attention_reference, ngram_plan
 from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
-from icrl_kernels.testing import assert_close_rel, triton_devices
+from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
 
 FAST_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
     pytest.param("triton", algorithm, device, id=f"triton-{algorithm}-{getattr(device, 'values', [device])[0]}",
@@ -231,3 +231,38 @@ def test_non_contiguous_inputs(backend, algorithm, device):
     ids = random_ids(2, 132, 3, generator=gen).to(device)[:, ::2]
     assert not h.is_contiguous() and not ids.is_contiguous()
     check_parity(h, ids, 2, backend, algorithm)
+
+
+# --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
+
+_OFFLINE_COMPILE = """
+import json
+from icrl_kernels.ngram import kernels, tiled_kernels
+from icrl_kernels.testing import compile_config, configs_to_compile
+
+D = 512  # DESIGN.md section 5: D = 256..512; the sort path at L = 4096, the tiled one at L = 256 (<= 512)
+for kernel, L, names in [
+    (kernels._ngram_forward_kernel, 4096, ("h_ptr", "out_ptr", "stride_hb", "stride_hl", "stride_ob", "stride_ol")),
+    (kernels._ngram_backward_kernel, 4096, ("grad_out_ptr", "grad_h_ptr", "stride_gb", "stride_gl", "stride_hb",
+                                            "stride_hl")),
+    (tiled_kernels._ngram_tiled_forward_kernel, 256, ("h_ptr", "out_ptr", "stride_hb", "stride_hl", "stride_ob",
+                                                      "stride_ol")),
+    (tiled_kernels._ngram_tiled_backward_kernel, 256, ("grad_out_ptr", "grad_h_ptr", "stride_gb", "stride_gl",
+                                                       "stride_hb", "stride_hl")),
+]:
+    for config, dtype in configs_to_compile(kernel):
+        signature = {"perm_ptr": "*i64", "meta_ptr": "*u8", "ids_ptr": "*i64", "count_ptr": "*i32", "L": L, "D": D,
+                     "n": 2 if dtype == "fp32" else 3, names[0]: "*" + dtype, names[1]: "*" + dtype,
+                     **dict.fromkeys(names[2::2], L * D), **dict.fromkeys(names[3::2], D)}
+        print(json.dumps({**compile_config(kernel, config, signature, {"HALF_DOT": dtype == "bf16"}), "dtype": dtype}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter accepts code the compiler rejects: compile the sort-path and tiled kernels to sm_90
+    cubins at the DESIGN.md shapes (first autotune config in bf16, largest tile in fp32; every config
+    with ``ICRL_COMPILE_ALL_CONFIGS=1``) and check that none spills registers heavily."""
+    reports = run_offline_compile(_OFFLINE_COMPILE)
+    check_offline_reports(reports, {"_ngram_forward_kernel", "_ngram_backward_kernel", "_ngram_tiled_forward_kernel",
+                                    "_ngram_tiled_backward_kernel"})  # fmt: skip

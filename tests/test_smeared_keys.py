@@ -16,7 +16,13 @@ from icrl_kernels import resolve_backend
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
 from icrl_kernels.smeared.function import smeared_keys_backward_op, smeared_keys_op
-from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, triton_devices
+from icrl_kernels.testing import (
+    RMS_TOLERANCE,
+    assert_close_rel,
+    check_offline_reports,
+    run_offline_compile,
+    triton_devices,
+)
 
 FAST_PATHS = [pytest.param("eager", "cpu", id="eager")] + [
     pytest.param("triton", device, id=f"triton-{getattr(device, 'values', [device])[0]}",
@@ -247,3 +253,36 @@ def test_module_compiles_fullgraph():
     x = torch.randn(2, 9, 16)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     assert_close_rel(compiled(x), layer(x), name="compiled output")
+
+
+# --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
+
+_OFFLINE_COMPILE = """
+import json
+from icrl_kernels.smeared import kernels
+from icrl_kernels.testing import compile_for_gpu_offline
+
+# Attention shapes of DESIGN.md section 5 (B = 8, L = 1024): bf16 keys as the [B, L, H, Dh] projection
+# seen through transpose(1, 2) with H = 12, Dh = 64; fp32 contiguous [B, H, L, Dh] keys with H = 8, Dh = 32.
+B, L = 8, 1024
+for dtype, H, Dh, transposed in [("bf16", 12, 64, True), ("fp32", 8, 32, False)]:
+    k_strides = (L * H * Dh, Dh, H * Dh, 1) if transposed else (H * L * Dh, L * Dh, Dh, 1)
+    block_l, block_d = kernels.block_sizes(Dh)
+    blocks = {"BLOCK_L": block_l, "BLOCK_D": block_d}
+    sizes = {"H": H, "L": L, "Dh": Dh, "alpha_ptr": "*" + dtype}
+    forward = {"k_ptr": "*" + dtype, "out_ptr": "*" + dtype, **sizes,
+               **dict(zip(("stride_kb", "stride_kh", "stride_kl", "stride_kd"), k_strides))}
+    backward = {**forward, "grad_out_ptr": "*" + dtype, "grad_k_ptr": "*" + dtype, "partial_ptr": "*fp32",
+                **dict(zip(("stride_gb", "stride_gh", "stride_gl", "stride_gd"), (H * L * Dh, L * Dh, Dh, 1)))}
+    for kernel, signature in [(kernels._smeared_keys_forward_kernel, forward),
+                              (kernels._smeared_keys_backward_kernel, backward)]:
+        print(json.dumps({**compile_for_gpu_offline(kernel, signature, blocks), "dtype": dtype, **blocks}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
+def test_kernels_compile_for_sm90_offline():
+    """The interpreter accepts code the compiler rejects: compile both kernels to sm_90 cubins with the
+    wrapper's block sizes (bf16 strided keys, fp32 contiguous keys) and check that neither spills heavily."""
+    reports = run_offline_compile(_OFFLINE_COMPILE)
+    check_offline_reports(reports, {"_smeared_keys_forward_kernel", "_smeared_keys_backward_kernel"})

@@ -1,4 +1,4 @@
-"""Analysis tools for trained models: induction heads (TransformerLens conventions), head ablation."""
+"""Analysis tools for trained models: induction heads (TransformerLens conventions), head ablation, Markov heads."""
 
 from .induction import (
     AttentionSite,
@@ -17,19 +17,37 @@ from .induction import (
     scores_by_site,
     uniform_causal_pattern,
 )
+from .markov import (
+    MarkovReport,
+    default_markov_threshold,
+    g_markov,
+    is_markov_head,
+    markov_conditions,
+    markov_heads,
+    markov_ratio,
+    qk_products,
+)
 
 __all__ = [
     "AttentionSite",
+    "MarkovReport",
     "ablate_heads",
     "attention_sites",
     "capture_attention",
     "detection_patterns",
+    "default_markov_threshold",
     "detection_score",
+    "g_markov",
     "head_ablation_importance",
     "head_ov_weights",
     "in_context_learning_score",
+    "is_markov_head",
+    "markov_conditions",
+    "markov_heads",
+    "markov_ratio",
     "offset_score",
     "ov_copying_score",
+    "qk_products",
     "repeat_scores",
     "repeated_random_tokens",
     "scores_by_site",

@@ -2,6 +2,7 @@
 
 =================================== ===================================================================
 :class:`DarkRoom`                   9x9 grid, invisible goal, reward on every step on it (AD)
+:class:`VisibleGoalDarkRoom`        Dark Room with the goal in the observation (a Markov, short-term task)
 :class:`KeyToDoor`                  9x9 grid, invisible key then door, random start (AD)
 :class:`CompositeDarkRoom`          Darkroom with 125 three-move actions and action sets (Headless-AD)
 :class:`BernoulliBandit`            Bernoulli arms, 300 pulls, variable arm counts (Headless-AD)
@@ -33,6 +34,7 @@ from .grid import MOVE_NAMES, centre_cell
 from .gym import GYM_IDS, SingleEnv, register_gymnasium_envs
 from .key_to_door import KeyToDoor
 from .splits import DEFAULT_NUM_TRAIN_TASKS, grid_task_split, task_split
+from .visible_goal_dark_room import VisibleGoalDarkRoom
 
 register_gymnasium_envs()
 
@@ -51,6 +53,7 @@ __all__ = [
     "KeyToDoor",
     "SingleEnv",
     "StepResult",
+    "VisibleGoalDarkRoom",
     "action_moves",
     "action_name",
     "bernoulli_arm_means",

@@ -1,0 +1,70 @@
+"""GPT2-DTMA (Decision Transformer with MoA): one training step, gated against ungated (DESIGN.md 5).
+
+``test_train_step`` times one optimiser step (forward, backward, AdamW; bf16 autocast on CUDA) of
+:class:`~icrl_models.models.dt_moa.DecisionTransformerMoA` on a batch of ``k``-step windows:
+
+* ``moa``: layer 0 MoA-gated (softmax), the library's gating kernel (``backend="auto"``);
+* ``moa-reference``: the same model with the readable reference gating (``backend="reference"``);
+* ``ungated``: no MoA layer (``gate=None`` everywhere): plain GPT-2 attention, the floor.
+
+The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) has the ``icrl-markov`` CPU
+preset's model and, on CUDA, GPT-2 small (12 x 12 x 768) at the paper's batch 64 and ``k = 20``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from icrl_models.models import DecisionTransformerMoA, DTMoAConfig
+
+from .bench_ad import _time_train_step
+from .conftest import bench_device, full_run
+
+
+class Size(NamedTuple):
+    name: str
+    n_embd: int
+    n_head: int
+    n_layer: int
+    context_len: int
+    batch: int
+
+
+SMOKE = [Size("tiny", 24, 3, 2, 5, 4)]
+CPU_FULL = [Size("cpu-markov", 64, 4, 2, 10, 32)]
+GPU_FULL = [Size("cpu-markov", 64, 4, 2, 10, 32), Size("gpt2-small", 768, 12, 12, 20, 64)]
+SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else SMOKE
+VARIANTS = {
+    "moa": dict(moa_layers=(0,), backend="auto"),
+    "moa-reference": dict(moa_layers=(0,), backend="reference"),
+    "ungated": dict(moa_layers=(), backend="auto"),
+}
+
+
+def _batch(size: Size, config: DTMoAConfig, device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    shape = (size.batch, size.context_len)
+    batch = {
+        "rtg": torch.rand(shape, generator=generator) * 20,
+        "states": torch.randint(0, config.num_states, shape, generator=generator),
+        "actions": torch.randint(0, config.num_actions, shape, generator=generator),
+        "timesteps": torch.randint(0, config.max_timestep, shape, generator=generator),
+        "mask": torch.ones(shape, dtype=torch.bool),
+    }
+    return {name: value.to(device) for name, value in batch.items()}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+def test_train_step(benchmark, size: Size, variant: str):
+    device = bench_device()
+    config = DTMoAConfig(
+        state_sizes=(81, 81), context_len=size.context_len, n_layer=size.n_layer, n_head=size.n_head,
+        n_embd=size.n_embd, n_positions=max(3 * size.context_len, 60), **VARIANTS[variant],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    net = DecisionTransformerMoA(config).to(device)
+    _time_train_step(benchmark, net, _batch(size, config, device), size._asdict(), model="dt_moa", variant=variant)

@@ -1,0 +1,118 @@
+"""Looped-transformer input injection + LayerNorm, forward + backward (DESIGN.md sections 2.4 and 5).
+
+Every benchmark times ``hidden, normed = op(y, prompt, pos, weight, bias)`` and the gradients w.r.t.
+all five inputs from upstream gradients on both outputs (what one loop of a looped transformer
+does: ``hidden`` is the residual stream, ``normed`` feeds attention), for one shape and one
+implementation:
+
+* ``triton``: the fused Triton kernels (one pass each way);
+* ``eager``: the custom op on ATen ops (fp32 sum, ``native_layer_norm`` and its backward);
+* ``reference``: ``hidden = y + prompt + pos; F.layer_norm(hidden)`` differentiated by autograd, what
+  a user would write (native LayerNorm kernels, half precision stays half precision); named
+  ``reference`` because ``benchmarks/summarize.py`` takes ratios against that backend;
+* ``compile``: ``torch.compile`` of that baseline (Inductor fuses the adds into the norm).
+
+Bytes moved are the minimum of a fused implementation: the forward reads ``y`` and ``prompt`` and
+writes ``hidden`` and ``normed``; the backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and
+writes ``d_y`` and ``d_prompt`` (two tensors, since both require grad): ``9 * B * L * D`` elements,
+plus ``pos`` and its gradient (``2 * L * D``) and the fp32 row statistics (``4 * B * L``). Shapes
+are the looped transformer's (Yang et al.: GPT-2 block, D = 256; L = 2k + 1 tokens for k = 40 to
+100 in-context examples; batch 64).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import icrl_kernels
+from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
+from icrl_kernels.testing import assert_close_rel
+
+from .conftest import bench_device, full_run, select_shapes
+
+
+class Shape(NamedTuple):
+    B: int
+    L: int
+    D: int
+    dtype: str
+
+
+def shape_id(shape: Shape) -> str:
+    return f"B{shape.B}-L{shape.L}-D{shape.D}-{shape.dtype}"
+
+
+FULL_SHAPES = [
+    *(Shape(B=64, L=L, D=256, dtype="float32") for L in (81, 121, 201)),
+    *(Shape(B=64, L=L, D=256, dtype="bfloat16") for L in (81, 121, 201)),
+]
+SMOKE_SHAPES = [Shape(B=3, L=9, D=37, dtype="float32"), Shape(B=5, L=6, D=64, dtype="bfloat16")]
+
+SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
+
+
+def torch_inject_layer_norm(y, prompt, pos, weight, bias):
+    """The unfused baseline: two adds and the native LayerNorm (same dtype rules as eager PyTorch)."""
+    hidden = y + prompt + pos
+    return hidden, F.layer_norm(hidden, hidden.shape[-1:], weight, bias)
+
+
+@functools.cache
+def _compiled_torch():
+    return torch.compile(torch_inject_layer_norm, dynamic=False)
+
+
+def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
+    if backend == "triton":
+        try:
+            icrl_kernels.resolve_backend("triton", device)
+        except ValueError as error:
+            pytest.skip(str(error))
+        if device.type == "cpu" and full_run():
+            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
+    if backend == "compile" and device.type == "cpu" and not full_run() and shape != SMOKE_SHAPES[0]:
+        pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
+
+
+def bytes_moved(shape: Shape, itemsize: int) -> int:
+    rows = shape.B * shape.L
+    return 9 * rows * shape.D * itemsize + 2 * shape.L * shape.D * itemsize + 2 * rows * 4
+
+
+@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "compile"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str) -> None:
+    device = bench_device()
+    skip_unless_runnable(shape, backend, device)
+    generator = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, shape.dtype)
+
+    def draw(*size):
+        return torch.randn(*size, generator=generator).to(device, dtype).requires_grad_()
+
+    # All five in the activation dtype, so the unfused baseline runs in the same precision.
+    inputs = (draw(shape.B, shape.L, shape.D), draw(shape.B, shape.L, shape.D), draw(shape.L, shape.D),
+              draw(shape.D), draw(shape.D))  # fmt: skip
+    grads_out = (torch.randn_like(inputs[1]), torch.randn_like(inputs[1]))
+    if backend == "compile":
+        fn = _compiled_torch()
+    elif backend == "reference":
+        fn = torch_inject_layer_norm
+    else:
+        fn = functools.partial(inject_layer_norm, backend=backend)
+    # A peer computing something else would make the timing meaningless: check it once here.
+    expected = inject_layer_norm_reference(*(t.detach().float() for t in inputs))
+    for out, ref in zip(fn(*inputs), expected):
+        assert_close_rel(out, ref, rms_tol=1e-5 if dtype == torch.float32 else 2e-2, name=f"{backend} output")
+
+    def step():
+        return torch.autograd.grad(fn(*inputs), inputs, grads_out)
+
+    benchmark.group = f"inject-layer-norm-fwd-bwd {shape_id(shape)}"
+    info = {"op": "inject_layer_norm", "backend": backend, **shape._asdict(), "shape": [shape.B, shape.L, shape.D]}
+    timed(step, device=device, info=info, bytes_moved=bytes_moved(shape, dtype.itemsize), warmup=2)

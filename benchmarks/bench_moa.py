@@ -1,0 +1,136 @@
+"""Mixture-of-Attention gating, forward + backward (DESIGN.md sections 2.3 and 5).
+
+Two families of benchmarks:
+
+``test_moa_attention_fwd_bwd`` times a whole ``MoAAttention`` layer (QKV projection, SDPA, gating,
+output projection) and the gradient w.r.t. its input ``x [B, L, D]`` (parameter gradients are computed
+too, as in training) at ``H = 12, Dh = 64`` (GPT-2 small):
+
+* ``triton`` / ``eager``: the gated layer with ``mixture_of_heads`` on that backend;
+* ``reference``: the same layer with the gate math as plain PyTorch ops after SDPA, differentiated by
+  autograd (the eager MoA a user would write);
+* ``ungated``: ``MoAAttention(gate=None)``, ordinary causal attention: the floor. The issue's target
+  is gated (``triton``) at most 1.1x ``ungated`` at GPT-2-small shapes.
+
+``test_mixture_of_heads_fwd_bwd`` times the op alone on ``head_out [B, L, H, Dh]`` in the two layouts
+SDPA produces: ``blhd`` (contiguous: what PyTorch's flash kernels return, e.g. for the strided q/k/v
+views of one QKV projection, as in ``MoAAttention``) and ``bhld`` (the ``transpose(1, 2)`` view of a
+``[B, H, L, Dh]``-contiguous output, e.g. SDPA on contiguous inputs): ``triton``, ``eager``,
+``reference`` (autograd) and ``compile`` (``torch.compile`` of the reference). Bytes moved are a
+fused op's minimum: forward reads the heads and logits and writes the output, backward reads ``dout``,
+the heads and the logits and writes both gradients, i.e. ``6 N`` head-sized elements plus
+``3 B L H`` logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import icrl_kernels
+from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference
+from icrl_kernels.testing import assert_close_rel
+
+from .conftest import bench_device, full_run, select_shapes
+
+
+class Shape(NamedTuple):
+    B: int
+    L: int
+    H: int
+    Dh: int
+    dtype: str
+
+
+def shape_id(shape: Shape) -> str:
+    return f"B{shape.B}-L{shape.L}-H{shape.H}-Dh{shape.Dh}-{shape.dtype}"
+
+
+# Full set (CUDA, or ICRL_BENCH_FULL=1): DESIGN.md's MoA row, B = 8..64, H = 12, Dh = 64, L = 60..4096.
+# L = 60 is the DT's context (20 steps x 3 tokens); bf16 is how training runs on GPU (autocast).
+FULL_SHAPES = [
+    *(Shape(B=8, L=L, H=12, Dh=64, dtype="float32") for L in (60, 256, 1024, 4096)),
+    *(Shape(B=64, L=L, H=12, Dh=64, dtype="bfloat16") for L in (60, 256, 1024)),
+    Shape(B=8, L=4096, H=12, Dh=64, dtype="bfloat16"),
+]
+# Smoke set: a few interpreter programs each.
+SMOKE_SHAPES = [Shape(B=2, L=37, H=12, Dh=16, dtype="float32"), Shape(B=1, L=20, H=3, Dh=64, dtype="bfloat16")]
+
+SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
+
+
+def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
+    if backend == "triton":
+        try:
+            icrl_kernels.resolve_backend("triton", device)
+        except ValueError as error:
+            pytest.skip(str(error))
+        if device.type == "cpu" and full_run():
+            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
+    if backend == "compile" and device.type == "cpu" and not full_run() and shape != SMOKE_SHAPES[0]:
+        pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
+
+
+@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "ungated"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
+    device = bench_device()
+    skip_unless_runnable(shape, backend, device)
+    dtype = getattr(torch, shape.dtype)
+    d_model = shape.H * shape.Dh
+    torch.manual_seed(0)
+    if backend == "ungated":
+        layer = MoAAttention(d_model, shape.H, gate=None)
+    else:
+        layer = MoAAttention(d_model, shape.H, gate="softmax", backend=backend)
+    layer = layer.to(device=device, dtype=dtype)
+    x = torch.randn(shape.B, shape.L, d_model, device=device, dtype=dtype, requires_grad=True)
+    benchmark.group = f"moa-attention-fwd-bwd {shape_id(shape)}"
+    info = {"op": "moa_attention", "backend": backend, **shape._asdict()}
+    fwd_bwd(layer, x, info=info)
+
+
+@functools.cache
+def _compiled_reference():
+    return torch.compile(mixture_of_heads_reference, dynamic=False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "compile"])
+@pytest.mark.parametrize("layout", ["blhd", "bhld"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, backend: str) -> None:
+    device = bench_device()
+    skip_unless_runnable(shape, backend, device)
+    if backend == "compile" and device.type == "cpu" and layout != "bhld":
+        pytest.skip("an Inductor CPU compile takes seconds: one smoke layout is enough")
+    dtype = getattr(torch, shape.dtype)
+    generator = torch.Generator().manual_seed(0)
+    # sdpa_out [B, H, L, Dh] as SDPA returns it; the op reads it through its [B, L, H, Dh] view.
+    if layout == "bhld":
+        sdpa_out = torch.randn(shape.B, shape.H, shape.L, shape.Dh, generator=generator).to(device, dtype)
+    else:
+        sdpa_out = torch.randn(shape.B, shape.L, shape.H, shape.Dh, generator=generator).to(device, dtype)
+        sdpa_out = sdpa_out.transpose(1, 2)
+    sdpa_out = sdpa_out.detach().requires_grad_(True)
+    logits = torch.randn(shape.B, shape.L, shape.H, generator=generator).to(device, dtype).requires_grad_(True)
+    grad_out = torch.randn(shape.B, shape.L, shape.H * shape.Dh, generator=generator).to(device, dtype)
+    if backend == "compile":
+        fn = _compiled_reference()
+        heads = sdpa_out.transpose(1, 2)
+        assert_close_rel(fn(heads, logits), mixture_of_heads_reference(heads, logits), name="compiled reference")
+    elif backend == "reference":
+        fn = mixture_of_heads_reference
+    else:
+        fn = lambda heads, gate_logits: mixture_of_heads(heads, gate_logits, backend=backend)
+
+    def step():
+        return torch.autograd.grad(fn(sdpa_out.transpose(1, 2), logits), (sdpa_out, logits), grad_out)
+
+    heads_bytes = sdpa_out.numel() * sdpa_out.element_size()
+    logits_bytes = logits.numel() * logits.element_size()
+    benchmark.group = f"moa-op-fwd-bwd {shape_id(shape)}-{layout}"
+    info = {"op": "mixture_of_heads", "backend": backend, "layout": layout, **shape._asdict()}
+    timed(step, device=device, info=info, bytes_moved=6 * heads_bytes + 3 * logits_bytes)

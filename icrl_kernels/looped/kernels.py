@@ -1,0 +1,318 @@
+"""Triton kernels of the fused input injection + LayerNorm (looped transformers).
+
+Layout of the work. A program owns a tile of ``BLOCK_L`` positions x the whole feature row
+(``BLOCK_D >= D`` lanes, as in the Triton layer-norm tutorial: a row's statistics need no second
+pass) and loops over a chunk of ``batch_per_program`` batch entries at those positions. Keeping the
+positions fixed inside a program means
+
+* the forward reads its tile of ``pos`` once and reuses it for every batch entry of the chunk;
+* the backward sums ``d_x`` over its batch chunk in registers, so ``d_pos`` (the gradient of the
+  position embedding, summed over the batch) needs one fp32 partial per batch chunk, not per row.
+
+Forward: ``x = y + prompt + pos`` in fp32, ``mean``, ``rstd = 1 / sqrt(var + eps)`` (biased
+variance), ``hidden = x`` and ``normed = (x - mean) * rstd * weight + bias`` stored in the activation
+dtype, ``mean`` and ``rstd`` stored per row in fp32 for the backward.
+
+Backward: from ``hidden``, ``mean`` and ``rstd`` (``y`` and ``prompt`` are not kept alive),
+``xhat = (hidden - mean) * rstd``, ``g = d_normed * weight`` and
+
+    d_x = d_hidden + rstd * (g - mean_D(g) - xhat * mean_D(g * xhat))
+
+written to ``d_y`` and/or ``d_prompt`` (equal values, two buffers, because outputs of a custom op may
+not alias). Each program also writes fp32 partial sums of ``d_weight = sum d_normed * xhat``,
+``d_bias = sum d_normed`` (one row of ``D`` per program) and ``d_pos`` (one ``[L, D]`` slab per batch
+chunk); the wrapper sums the partials in a fixed order, so every gradient is deterministic (no
+atomics). ``hidden`` was rounded to the activation dtype when stored, so with half-precision
+activations ``xhat`` in the backward carries that rounding (well inside half-precision tolerance).
+
+Inputs ``y``, ``prompt``, ``pos``, ``d_hidden`` and ``d_normed`` may have any strides (integer strides
+equal to 1 are specialised by Triton, so the usual contiguous last dim gives vector loads); outputs
+are contiguous. Each program steps 64-bit scalar base pointers from one batch entry to the next and
+addresses its tile with 32-bit offsets (64-bit ones, chosen at launch, if one ``[L, D]`` slice spans
+2^31 elements or more), so tensors beyond 2^31 elements are fine.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._backend import triton_interpreter_enabled
+from .._library import empty_output
+
+#: Elements of one ``[BLOCK_L, BLOCK_D]`` tile; with one warp per 256 of them a thread holds 8 values
+#: per tile. Compiled offline for sm_90 (ptxas -v, no GPU run): at D = 256 (8 x 256 tile, 8 warps) the
+#: forward uses 57-64 registers and the backward 80-95 (bf16-fp32), without spills.
+_TILE_ELEMENTS = 2048
+#: Programs per streaming multiprocessor to aim for (about what fits at once at D = 256). The backward
+#: writes one fp32 ``d_pos`` partial per batch chunk, so fewer, longer programs keep that traffic small.
+#: Not tuned on a GPU yet.
+_FORWARD_PROGRAMS_PER_SM = 4
+_BACKWARD_PROGRAMS_PER_SM = 2
+#: The interpreter runs programs one after another (about 2 ms each): few, long programs are fastest.
+_INTERPRETER_PROGRAMS = 4
+
+
+def tile_shape(length: int, width: int) -> tuple[int, int, int]:
+    """``(BLOCK_L, BLOCK_D, num_warps)``: whole rows of ``width`` features, about 2048-element tiles,
+    a warp per 256 elements (4 to 16 warps)."""
+    block_d = max(16, triton.next_power_of_2(width))  # >= 16 lanes: no degenerate layouts for tiny D
+    block_l = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(length)))
+    num_warps = min(16, max(4, block_l * block_d // 256))
+    return block_l, block_d, num_warps
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def batch_per_program(batch: int, position_blocks: int, device: torch.device, programs_per_sm: int) -> int:
+    """Batch entries one program loops over, so that the grid has about ``programs_per_sm`` per SM."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = programs_per_sm * _multiprocessors(index)
+    else:
+        target = _INTERPRETER_PROGRAMS if triton_interpreter_enabled() else 1
+    chunks = max(1, min(batch, target // max(1, position_blocks)))
+    return triton.cdiv(batch, chunks)
+
+
+@triton.jit
+def _inject_layer_norm_forward_kernel(
+    y_ptr, prompt_ptr, pos_ptr, weight_ptr, bias_ptr,
+    hidden_ptr, normed_ptr, mean_ptr, rstd_ptr,
+    B, L, D, batch_per_program, eps,
+    stride_yb, stride_yl, stride_yd,
+    stride_pb, stride_pl, stride_pd,
+    stride_el, stride_ed,
+    HAS_Y: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    positions = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    if WIDE:  # one batch entry spans more than 2^31 elements: 64-bit offsets inside it too
+        positions = positions.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    position_ok = positions < L
+    col_ok = cols < D
+    mask = position_ok[:, None] & col_ok[None, :]
+    # Upcast right after every load: the statistics are fp32 (and the interpreter's bf16 math is wrong).
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_POS:
+        pos = tl.load(pos_ptr + positions[:, None] * stride_el + cols[None, :] * stride_ed, mask=mask, other=0.0)
+        pos = pos.to(tl.float32)
+    prompt_offsets = positions[:, None] * stride_pl + cols[None, :] * stride_pd
+    y_offsets = positions[:, None] * stride_yl + cols[None, :] * stride_yd
+    out_offsets = positions[:, None] * D + cols[None, :]
+    # Scalar base pointers (64-bit) start at the chunk's first batch entry and step one entry per loop;
+    # offsets inside an entry stay 32-bit tiles, which keeps register pressure down.
+    batch_start = tl.program_id(1) * batch_per_program
+    batch_stop = tl.minimum(batch_start + batch_per_program, B)
+    first = batch_start.to(tl.int64)
+    prompt_base = prompt_ptr + first * stride_pb
+    y_base = y_ptr + first * stride_yb
+    hidden_base = hidden_ptr + first * L * D
+    normed_base = normed_ptr + first * L * D
+    mean_base = mean_ptr + first * L
+    rstd_base = rstd_ptr + first * L
+    for _ in range(batch_start, batch_stop):
+        x = tl.load(prompt_base + prompt_offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_Y:
+            x += tl.load(y_base + y_offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_POS:
+            x += pos
+        mean = tl.sum(x, axis=1) / D
+        centred = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / D + eps)
+        normed = centred * rstd[:, None] * weight[None, :]
+        if HAS_BIAS:
+            normed += bias[None, :]
+        tl.store(hidden_base + out_offsets, x.to(hidden_ptr.dtype.element_ty), mask=mask)
+        tl.store(normed_base + out_offsets, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+        tl.store(mean_base + positions, mean, mask=position_ok)
+        tl.store(rstd_base + positions, rstd, mask=position_ok)
+        prompt_base += stride_pb
+        y_base += stride_yb
+        hidden_base += L * D
+        normed_base += L * D
+        mean_base += L
+        rstd_base += L
+
+
+@triton.jit
+def _inject_layer_norm_backward_kernel(
+    grad_hidden_ptr, grad_normed_ptr, hidden_ptr, mean_ptr, rstd_ptr, weight_ptr,
+    grad_y_ptr, grad_prompt_ptr, pos_partial_ptr, weight_partial_ptr, bias_partial_ptr,
+    B, L, D, batch_per_program,
+    stride_hb, stride_hl, stride_hd,
+    stride_nb, stride_nl, stride_nd,
+    WRITE_Y: tl.constexpr, WRITE_PROMPT: tl.constexpr,
+    WANT_POS: tl.constexpr, WANT_WEIGHT: tl.constexpr, WANT_BIAS: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    position_block = tl.program_id(0)
+    batch_chunk = tl.program_id(1)
+    positions = position_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    if WIDE:
+        positions = positions.to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    position_ok = positions < L
+    col_ok = cols < D
+    mask = position_ok[:, None] & col_ok[None, :]
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    grad_hidden_offsets = positions[:, None] * stride_hl + cols[None, :] * stride_hd
+    grad_normed_offsets = positions[:, None] * stride_nl + cols[None, :] * stride_nd
+    offsets = positions[:, None] * D + cols[None, :]  # of the contiguous hidden, d_y and d_prompt
+    # Partial sums stay 2-D across the batch loop; rows are reduced once at the end.
+    acc_weight = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    acc_bias = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    acc_pos = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    batch_start = batch_chunk * batch_per_program
+    batch_stop = tl.minimum(batch_start + batch_per_program, B)
+    first = batch_start.to(tl.int64)
+    grad_hidden_base = grad_hidden_ptr + first * stride_hb
+    grad_normed_base = grad_normed_ptr + first * stride_nb
+    hidden_base = hidden_ptr + first * L * D
+    grad_y_base = grad_y_ptr + first * L * D
+    grad_prompt_base = grad_prompt_ptr + first * L * D
+    mean_base = mean_ptr + first * L
+    rstd_base = rstd_ptr + first * L
+    for _ in range(batch_start, batch_stop):
+        hidden = tl.load(hidden_base + offsets, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_base + positions, mask=position_ok, other=0.0)
+        rstd = tl.load(rstd_base + positions, mask=position_ok, other=0.0)
+        xhat = tl.where(mask, (hidden - mean[:, None]) * rstd[:, None], 0.0)
+        grad_normed = tl.load(grad_normed_base + grad_normed_offsets, mask=mask, other=0.0).to(tl.float32)
+        g = grad_normed * weight[None, :]  # zero in masked lanes: weight and grad_normed load as 0 there
+        mean_g = tl.sum(g, axis=1) / D
+        mean_g_xhat = tl.sum(g * xhat, axis=1) / D
+        grad_x = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        grad_x += tl.load(grad_hidden_base + grad_hidden_offsets, mask=mask, other=0.0).to(tl.float32)
+        # Masked lanes of grad_x hold -mean_g * rstd: never stored, and acc_pos is stored masked.
+        if WRITE_Y:
+            tl.store(grad_y_base + offsets, grad_x.to(grad_y_ptr.dtype.element_ty), mask=mask)
+        if WRITE_PROMPT:
+            tl.store(grad_prompt_base + offsets, grad_x.to(grad_prompt_ptr.dtype.element_ty), mask=mask)
+        if WANT_WEIGHT:
+            acc_weight += grad_normed * xhat
+        if WANT_BIAS:
+            acc_bias += grad_normed
+        if WANT_POS:
+            acc_pos += grad_x
+        grad_hidden_base += stride_hb
+        grad_normed_base += stride_nb
+        hidden_base += L * D
+        grad_y_base += L * D
+        grad_prompt_base += L * D
+        mean_base += L
+        rstd_base += L
+    program = batch_chunk * tl.num_programs(0) + position_block
+    if WANT_WEIGHT:
+        tl.store(weight_partial_ptr + program * D + cols, tl.sum(acc_weight, axis=0), mask=col_ok)
+    if WANT_BIAS:
+        tl.store(bias_partial_ptr + program * D + cols, tl.sum(acc_bias, axis=0), mask=col_ok)
+    if WANT_POS:
+        pos_base = pos_partial_ptr + batch_chunk.to(tl.int64) * L * D
+        tl.store(pos_base + offsets, acc_pos, mask=mask)
+
+
+def _needs_wide_offsets(length: int, width: int, *strided: torch.Tensor | None) -> bool:
+    """Whether an offset inside one batch entry (an ``[L, D]`` slice: the last two dims) can reach 2^31."""
+    largest = length * width
+    for tensor in strided:
+        if tensor is not None:
+            inner = zip(tensor.shape[-2:], tensor.stride()[-2:])
+            largest = max(largest, sum((size - 1) * stride for size, stride in inner))
+    return largest >= 2**31
+
+
+def _strides3(tensor: torch.Tensor | None) -> tuple[int, int, int]:
+    return tuple(tensor.stride()) if tensor is not None else (0, 0, 0)
+
+
+def inject_layer_norm_forward_triton(
+    y: torch.Tensor | None,
+    prompt: torch.Tensor,
+    pos: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(hidden, normed)`` contiguous in ``prompt.dtype``, ``(mean, rstd)`` ``[B, L]`` fp32."""
+    batch, length, width = prompt.shape
+    device = prompt.device
+    hidden = empty_output(prompt.shape, dtype=prompt.dtype, device=device)
+    normed = empty_output(prompt.shape, dtype=prompt.dtype, device=device)
+    mean = empty_output((batch, length), dtype=torch.float32, device=device)
+    rstd = empty_output((batch, length), dtype=torch.float32, device=device)
+    block_l, block_d, num_warps = tile_shape(length, width)
+    position_blocks = triton.cdiv(length, block_l)
+    per_program = batch_per_program(batch, position_blocks, device, _FORWARD_PROGRAMS_PER_SM)
+    grid = (position_blocks, triton.cdiv(batch, per_program))
+    weight = weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    _inject_layer_norm_forward_kernel[grid](
+        y if y is not None else prompt, prompt, pos if pos is not None else weight, weight,
+        bias if bias is not None else weight,
+        hidden, normed, mean, rstd,
+        batch, length, width, per_program, eps,
+        *_strides3(y), *prompt.stride(), *(pos.stride() if pos is not None else (0, 0)),
+        HAS_Y=y is not None, HAS_POS=pos is not None, HAS_BIAS=bias is not None,
+        WIDE=_needs_wide_offsets(length, width, y, prompt, pos),
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    return hidden, normed, mean, rstd
+
+
+def inject_layer_norm_backward_triton(
+    grad_hidden: torch.Tensor,
+    grad_normed: torch.Tensor,
+    hidden: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    want_y: bool,
+    want_prompt: bool,
+    want_pos: bool,
+    want_weight: bool,
+    want_bias: bool,
+) -> tuple[torch.Tensor | None, ...]:
+    """Triton backward: ``(d_y, d_prompt)`` contiguous in ``hidden.dtype`` and fp32 ``(d_pos, d_weight,
+    d_bias)``; ``None`` for each gradient not wanted."""
+    batch, length, width = hidden.shape
+    device = hidden.device
+    hidden, mean, rstd, weight = hidden.contiguous(), mean.contiguous(), rstd.contiguous(), weight.contiguous()
+    block_l, block_d, num_warps = tile_shape(length, width)
+    position_blocks = triton.cdiv(length, block_l)
+    per_program = batch_per_program(batch, position_blocks, device, _BACKWARD_PROGRAMS_PER_SM)
+    grid = (position_blocks, triton.cdiv(batch, per_program))
+    programs = grid[0] * grid[1]
+    grad_y = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_y else None
+    grad_prompt = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_prompt else None
+    # Partials are poisoned under test like any output: a program that skipped its slot shows as NaN.
+    pos_partial = empty_output((grid[1], length, width), dtype=torch.float32, device=device) if want_pos else None
+    weight_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_weight else None
+    bias_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_bias else None
+    # Gradients not wanted get a placeholder pointer; their constexpr flag keeps the kernel off it.
+    _inject_layer_norm_backward_kernel[grid](
+        grad_hidden, grad_normed, hidden, mean, rstd, weight,
+        *(t if t is not None else hidden for t in (grad_y, grad_prompt, pos_partial, weight_partial, bias_partial)),
+        batch, length, width, per_program,
+        *grad_hidden.stride(), *grad_normed.stride(),
+        WRITE_Y=want_y, WRITE_PROMPT=want_prompt, WANT_POS=want_pos, WANT_WEIGHT=want_weight, WANT_BIAS=want_bias,
+        WIDE=_needs_wide_offsets(length, width, grad_hidden, grad_normed),
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    return (
+        grad_y,
+        grad_prompt,
+        pos_partial.sum(dim=0) if want_pos else None,
+        weight_partial.sum(dim=0) if want_weight else None,
+        bias_partial.sum(dim=0) if want_bias else None,
+    )

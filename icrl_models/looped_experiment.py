@@ -1,0 +1,393 @@
+"""``icrl-looped``: a looped transformer vs an unlooped one on in-context function learning.
+
+Trains the looped transformer (one weight-tied block, ``b`` loops with the prompt injected every loop,
+loss over the last ``T`` loops, ``b`` growing on the official schedule) and an unlooped GPT-2 of the
+same width (``unlooped_layers`` blocks, one pass) on the same stream of prompts, with the same steps,
+batch and optimiser. Then, on ``eval_prompts`` fresh prompts:
+
+* normalised squared error vs the number of in-context examples, for both models and the baselines
+  (least squares, averaging, 3-nearest-neighbours);
+* the looped model's error vs the number of loops at inference, up to ``eval_loop_factor`` times the
+  trained ``b`` (does it stay flat beyond what it was trained for?).
+
+Presets: ``cpu`` (the paper's analysis setting d = 5, k = 10 with a narrow model; minutes on a laptop)
+and ``paper`` (d = 20, k = 40, D = 256, 8 heads, a 12-layer unlooped baseline, the official
+curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``looped.json``,
+``looped.md`` and ``looped.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from .config import add_config_arguments, config_from_args
+from .function_classes import (
+    BASELINES,
+    FUNCTION_CLASSES,
+    Curriculum,
+    FunctionClassConfig,
+    baseline_predictions,
+    normalized_squared_error,
+    sample_prompts,
+)
+from .models.looped import LoopedConfig, LoopedTransformer
+
+PRESETS: dict[str, dict] = {
+    # The paper's Section 5 setting (d = 5, k = 10) shrunk to a 2-core budget: D = 64 instead of 256,
+    # b up to 15 with T = 5, and a fast dims/points curriculum (from d = 2, 5 points) so the models
+    # leave the predict-zero plateau within a few thousand steps (they had not after 1000 steps at d = 5).
+    "cpu": dict(
+        n_dims=5, n_points=11, d_model=64, n_heads=4, unlooped_layers=4, steps=5000, batch_size=32,
+        learning_rate=1e-3, warmup_steps=200, loops_start=5, loops_end=15, loops_increment=2,
+        loops_interval=300, grad_loops=5, dims_start=2, points_start=5, curriculum_interval=400,
+        eval_prompts=1280,
+    ),
+    # Section 4.1 with the official schedules: b from 15 to 30 (+2 every 500 steps), T = 15; d from
+    # 5 to 20 and points from 11 to 41 (every 2000 steps, Garg et al.). The paper trains 500k steps.
+    "paper": dict(
+        n_dims=20, n_points=41, d_model=256, n_heads=8, unlooped_layers=12, steps=500_000, batch_size=64,
+        learning_rate=1e-4, warmup_steps=0, loops_start=15, loops_end=30, loops_increment=2,
+        loops_interval=500, grad_loops=15, dims_start=5, points_start=11, curriculum_interval=2000,
+        eval_prompts=1280,
+    ),
+}  # fmt: skip
+
+
+def _field(help_text: str, default=None):
+    return dataclasses.field(default=default, metadata={"help": help_text})
+
+
+@dataclass
+class LoopedExperimentConfig:
+    """One run of ``icrl-looped``; ``None`` fields take the preset's value."""
+
+    preset: str = _field(f"one of {tuple(PRESETS)}", "cpu")
+    task: str = _field(f"function class, one of {FUNCTION_CLASSES}", "linear_regression")
+    n_dims: int | None = _field("input dimension d")
+    n_points: int | None = _field("points per prompt (the last one is predicted from k = n_points - 1 examples)")
+    d_model: int | None = _field("model width D")
+    n_heads: int | None = _field("attention heads")
+    unlooped_layers: int | None = _field("blocks of the unlooped baseline")
+    steps: int | None = _field("training steps of each model")
+    batch_size: int | None = _field("prompts per step")
+    learning_rate: float | None = _field("Adam learning rate")
+    warmup_steps: int | None = _field("linear learning-rate warm-up steps")
+    loops_start: int | None = _field("loops b at step 0")
+    loops_end: int | None = _field("largest trained b")
+    loops_increment: int | None = _field("b increment")
+    loops_interval: int | None = _field("steps between b increments")
+    grad_loops: int | None = _field("T: loops with gradient (the last T of b)")
+    dims_start: int | None = _field("active dimensions at step 0 (dims curriculum)")
+    points_start: int | None = _field("points at step 0 (points curriculum)")
+    curriculum_interval: int | None = _field("steps between dims (+1) and points (+2) increments")
+    eval_prompts: int | None = _field("fresh prompts for evaluation")
+    eval_loop_factor: int = _field("evaluate the looped model up to this many times the trained b", 5)
+    skip_unlooped: bool = _field("train only the looped model", False)
+    seed: int = _field("random seed", 0)
+    threads: int | None = _field("torch CPU threads (default: torch's choice)")
+    device: str = _field("cpu or cuda", "cpu")
+    backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
+    cuda_graph: bool = _field("replay the no-grad loops from a CUDA graph (CUDA only)", False)
+    eval_every: int = _field("steps between logged errors at k on 256 fixed prompts", 250)
+    checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
+    out_dir: str = _field("output folder", "runs/looped")
+
+    def resolved(self) -> LoopedExperimentConfig:
+        """A copy with every ``None`` field filled from the preset, checked."""
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {self.preset!r}")
+        values = {name: (PRESETS[self.preset][name] if value is None and name in PRESETS[self.preset] else value)
+                  for name, value in dataclasses.asdict(self).items()}  # fmt: skip
+        config = LoopedExperimentConfig(**values)
+        if config.grad_loops > config.loops_start:
+            raise ValueError(f"grad_loops ({config.grad_loops}) must be <= loops_start ({config.loops_start})")
+        if not 1 <= config.dims_start <= config.n_dims:
+            raise ValueError(f"dims_start must be in [1, n_dims={config.n_dims}], got {config.dims_start}")
+        if not 2 <= config.points_start <= config.n_points:
+            raise ValueError(f"points_start must be in [2, n_points={config.n_points}], got {config.points_start}")
+        FunctionClassConfig(config.task, config.n_dims)  # validates the task name
+        return config
+
+    def function_class(self) -> FunctionClassConfig:
+        return FunctionClassConfig(self.task, self.n_dims)
+
+    def loops_schedule(self) -> Curriculum:
+        return Curriculum(self.loops_start, self.loops_end, self.loops_increment, self.loops_interval)
+
+    def dims_schedule(self) -> Curriculum:
+        return Curriculum(self.dims_start, self.n_dims, 1, self.curriculum_interval)
+
+    def points_schedule(self) -> Curriculum:
+        return Curriculum(self.points_start, self.n_points, 2, self.curriculum_interval)
+
+    def model_config(self, looped: bool) -> LoopedConfig:
+        return LoopedConfig(
+            n_dims=self.n_dims,
+            max_points=self.n_points,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=1 if looped else self.unlooped_layers,
+            backend=self.backend,
+            cuda_graph=self.cuda_graph and looped,
+        )
+
+
+#: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
+RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
+                   "checkpoint_every", "eval_every")  # fmt: skip
+
+
+def run_identity(config: LoopedExperimentConfig) -> dict:
+    """The config fields a checkpoint must match to be resumed."""
+    return {key: value for key, value in dataclasses.asdict(config).items() if key not in RUN_ONLY_FIELDS}
+
+
+@torch.no_grad()
+def error_at_k(model: LoopedTransformer, xs: torch.Tensor, ys: torch.Tensor, loops: int, variance: float) -> float:
+    """Normalised squared error of the last prediction (all other points as examples) after ``loops`` loops."""
+    model.eval()
+    preds = model(xs, ys, loops=loops)[-1].float()
+    model.train()
+    return float(((preds[:, -1] - ys[:, -1].float()) ** 2).mean() / variance)
+
+
+def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTransformer, dict]:
+    """Train one model on the curriculum; returns it and its history.
+
+    Both models draw the same prompts (the same seed), so they see identical data. Every
+    ``eval_every`` steps the error at ``k`` examples on a fixed set of 256 full-size prompts is logged;
+    every ``checkpoint_every`` steps ``out_dir/<name>.pt`` is written atomically, and a rerun of the
+    same configuration resumes from it.
+
+    History: ``{"loss": [per step, normalised], "eval_steps": [...], "eval_error_at_k": [...], "wall_s"}``.
+    """
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    model = LoopedTransformer(config.model_config(looped)).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    function_class = config.function_class()
+    variance = function_class.label_variance(config.n_dims)
+    monitor = sample_prompts(
+        function_class, 256, config.n_points, generator=torch.Generator().manual_seed(config.seed + 2), device=device
+    )
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    name = "looped" if looped else "unlooped"
+    history = {"loss": [], "eval_steps": [], "eval_error_at_k": [], "wall_s": 0.0}
+    path, identity = Path(config.out_dir) / f"{name}.pt", {**run_identity(config), "model": name}
+    first_step = 0
+    if path.exists():
+        payload = load_checkpoint(path, expect_config=identity)
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        generator.set_state(payload["rng"]["prompts"])
+        history, first_step = payload["history"], payload["step"]
+    start = time.perf_counter() - history["wall_s"]
+    label = name if looped else f"unlooped-{config.unlooped_layers}L"
+    progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
+    for step in progress:
+        for group in optimizer.param_groups:
+            group["lr"] = config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
+        active_dims = config.dims_schedule().value(step)
+        xs, ys = sample_prompts(
+            function_class, config.batch_size, config.points_schedule().value(step),
+            active_dims=active_dims, generator=generator, device=device,
+        )  # fmt: skip
+        loops = config.loops_schedule().value(step) if looped else 1
+        with autocast:
+            loss = model.loss(xs, ys, loops=loops, grad_loops=min(config.grad_loops, loops) if looped else 1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        # Loss normalised by the label variance, so curriculum stages are comparable.
+        history["loss"].append(loss.item() / function_class.label_variance(active_dims))
+        done = step + 1
+        if done % config.eval_every == 0 or done == config.steps:
+            with autocast:
+                history["eval_error_at_k"].append(error_at_k(model, *monitor, loops, variance))
+            history["eval_steps"].append(done)
+            progress.set_postfix(loss=f"{np.mean(history['loss'][-50:]):.4f}", b=loops,
+                                 err_k=f"{history['eval_error_at_k'][-1]:.4f}")  # fmt: skip
+        if done % config.checkpoint_every == 0 or done == config.steps:
+            history["wall_s"] = time.perf_counter() - start
+            payload = {"version": CHECKPOINT_VERSION, "step": done, "config": identity, "model": model.state_dict(),
+                       "optimizer": optimizer.state_dict(), "rng": {"prompts": generator.get_state()},
+                       "history": history}  # fmt: skip
+            save_checkpoint(payload, path)
+    history["wall_s"] = time.perf_counter() - start
+    return model, history
+
+
+@torch.no_grad()
+def evaluate(config: LoopedExperimentConfig, looped_model, unlooped_model) -> dict:
+    """Errors vs examples (models and baselines) and the looped model's error vs loops, on fresh prompts."""
+    device = torch.device(config.device)
+    function_class = config.function_class()
+    generator = torch.Generator().manual_seed(config.seed + 12345)
+    xs, ys = sample_prompts(function_class, config.eval_prompts, config.n_points, generator=generator, device=device)
+    variance = function_class.label_variance(config.n_dims)
+    looped_model.eval()
+    max_loops = config.eval_loop_factor * config.loops_end
+    per_loop = looped_model.predictions_per_loop(xs, ys, max_loops).float().cpu()  # [loops, B, k]
+    xs, ys = xs.cpu(), ys.cpu()
+    predictions = {name: baseline_predictions(name, xs, ys) for name in BASELINES}
+    predictions["looped"] = per_loop[config.loops_end - 1]
+    if unlooped_model is not None:
+        unlooped_model.eval()
+        predictions["unlooped"] = unlooped_model(xs.to(device), ys.to(device))[0].float().cpu()
+    errors = {name: normalized_squared_error(preds, ys, variance) for name, preds in predictions.items()}
+    per_loop_errors = normalized_squared_error(per_loop, ys, variance)  # [loops, k]
+    # Bootstrap 90% interval of the error at k = n_points - 1 examples, as the paper reports.
+    last = config.n_points - 1
+    resample = torch.randint(config.eval_prompts, (1000, config.eval_prompts), generator=generator)
+    intervals = {}
+    for name, preds in predictions.items():
+        means = ((preds[:, last] - ys[:, last]) ** 2 / variance)[resample].mean(dim=1)
+        intervals[name] = [float(means.quantile(0.05)), float(means.quantile(0.95))]
+    return {
+        "examples": list(range(config.n_points)),
+        "error_vs_examples": {name: values.tolist() for name, values in errors.items()},
+        "error_at_k": {name: float(values[last]) for name, values in errors.items()},
+        "error_at_k_90ci": intervals,
+        "loops": list(range(1, max_loops + 1)),
+        "looped_error_vs_loops_at_k": per_loop_errors[:, last].tolist(),
+        "looped_error_vs_loops_mean": per_loop_errors.mean(dim=1).tolist(),
+    }
+
+
+def run_experiment(config: LoopedExperimentConfig) -> dict:
+    """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report."""
+    config = config.resolved()
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    out_dir = Path(config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    looped_model, looped_history = train_model(config, looped=True)
+    unlooped_model, unlooped_history = (None, None) if config.skip_unlooped else train_model(config, looped=False)
+    evaluation_start = time.perf_counter()
+    results = evaluate(config, looped_model, unlooped_model)
+    b, k = config.loops_end, config.n_points - 1
+    at_b = results["looped_error_vs_loops_at_k"][b - 1]
+    far = results["looped_error_vs_loops_at_k"][b:]
+    report = {
+        "config": dataclasses.asdict(config),
+        "parameters": {"looped": _count(looped_model), "unlooped": _count(unlooped_model)},
+        "training": {"looped": looped_history, "unlooped": unlooped_history},
+        "evaluation": results,
+        "extrapolation": {
+            "trained_loops": b,
+            "error_at_trained_loops": at_b,
+            "max_error_beyond": max(far) if far else None,
+            "error_at_max_loops": results["looped_error_vs_loops_at_k"][-1],
+        },
+        "wall_s": {
+            "looped_train": looped_history["wall_s"],
+            "unlooped_train": None if unlooped_history is None else unlooped_history["wall_s"],
+            "evaluation": time.perf_counter() - evaluation_start,
+            "total": time.perf_counter() - start,
+        },
+        "k": k,
+        "device": str(config.device),
+        "torch": torch.__version__,
+    }
+    (out_dir / "looped.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "looped.md").write_text(format_summary(report) + "\n")
+    plot_results(report, out_dir / "looped.png")
+    return report
+
+
+def _count(model) -> int | None:
+    return None if model is None else sum(p.numel() for p in model.parameters())
+
+
+def format_summary(report: dict) -> str:
+    """A Markdown summary: error at k examples per method, extrapolation over loops, wall times."""
+    config, evaluation, k = report["config"], report["evaluation"], report["k"]
+    lines = [
+        f"## Looped transformer, {config['task']} (d = {config['n_dims']}, k = {k}; {config['preset']} preset)",
+        "",
+        f"Normalised squared error at k = {k} in-context examples, {config['eval_prompts']} prompts "
+        "(90% bootstrap CI):",
+        "",
+        "| method | error | 90% CI |",
+        "|---|---|---|",
+    ]
+    for name, value in evaluation["error_at_k"].items():
+        low, high = evaluation["error_at_k_90ci"][name]
+        lines.append(f"| {name} | {value:.4g} | [{low:.3g}, {high:.3g}] |")
+    extrapolation, max_loops = report["extrapolation"], len(evaluation["loops"])
+    lines += [
+        "",
+        f"Looped model vs loops at inference (trained b = {extrapolation['trained_loops']}): error at k "
+        f"{extrapolation['error_at_trained_loops']:.4g} at b, worst {extrapolation['max_error_beyond']:.4g} over "
+        f"b+1..{max_loops}, {extrapolation['error_at_max_loops']:.4g} at {max_loops} loops.",
+        "",
+        "Wall time (s): " + ", ".join(f"{name} {value:.0f}" for name, value in report["wall_s"].items() if value),
+        f"Parameters: looped {report['parameters']['looped']}, unlooped {report['parameters']['unlooped']}.",
+    ]
+    return "\n".join(lines)
+
+
+def plot_results(report: dict, path: Path) -> None:
+    """Three panels: error vs in-context examples (all methods), error vs loops (looped model), and the
+    error at ``k`` during training (both models)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    evaluation = report["evaluation"]
+    figure, (left, right, curves) = plt.subplots(1, 3, figsize=(16, 4), dpi=120)
+    for name, values in evaluation["error_vs_examples"].items():
+        left.plot(evaluation["examples"], values, marker="o", markersize=3, label=name)
+    left.set(xlabel="in-context examples", ylabel="normalised squared error", yscale="log")
+    left.axvline(report["config"]["n_dims"], color="grey", linestyle=":", linewidth=1)
+    left.legend(fontsize=8)
+    right.plot(evaluation["loops"], evaluation["looped_error_vs_loops_at_k"], label=f"k = {report['k']}")
+    right.plot(evaluation["loops"], evaluation["looped_error_vs_loops_mean"], label="mean over k")
+    right.axvline(
+        report["extrapolation"]["trained_loops"], color="grey", linestyle="--", linewidth=1, label="trained b"
+    )
+    right.set(xlabel="loops at inference", ylabel="normalised squared error", yscale="log")
+    right.legend(fontsize=8)
+    for name, history in report["training"].items():
+        if history is not None:
+            curves.plot(history["eval_steps"], history["eval_error_at_k"], label=name)
+    curves.set(xlabel="training step", ylabel=f"error at k = {report['k']} (256 prompts)", yscale="log")
+    curves.legend(fontsize=8)
+    figure.suptitle(f"Looped transformer, {report['config']['task']}, d = {report['config']['n_dims']}")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="icrl-looped", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_config_arguments(parser, LoopedExperimentConfig)
+    args = parser.parse_args(argv)
+    try:
+        report = run_experiment(config_from_args(LoopedExperimentConfig, args))
+    except ValueError as error:
+        print(f"icrl-looped: error: {error}", file=sys.stderr)
+        return 2
+    print(format_summary(report))
+    print(f"wrote {Path(args.out_dir) / 'looped.json'}, looped.md and looped.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
