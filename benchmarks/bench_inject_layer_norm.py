@@ -29,11 +29,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import icrl_kernels
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -67,18 +66,6 @@ def _compiled_torch():
     return torch.compile(torch_inject_layer_norm, dynamic=False)
 
 
-def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
-    if backend == "triton":
-        try:
-            icrl_kernels.resolve_backend("triton", device)
-        except ValueError as error:
-            pytest.skip(str(error))
-        if device.type == "cpu" and full_run():
-            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
-    if backend == "compile" and device.type == "cpu" and not full_run() and shape != SMOKE_SHAPES[0]:
-        pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
-
-
 def bytes_moved(shape: Shape, itemsize: int) -> int:
     rows = shape.B * shape.L
     return 9 * rows * shape.D * itemsize + 2 * shape.L * shape.D * itemsize + 2 * rows * 4
@@ -88,7 +75,7 @@ def bytes_moved(shape: Shape, itemsize: int) -> int:
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
-    skip_unless_runnable(shape, backend, device)
+    skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
 

@@ -30,11 +30,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-import icrl_kernels
 from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -62,23 +61,11 @@ SMOKE_SHAPES = [Shape(B=2, L=37, H=12, Dh=16, dtype="float32"), Shape(B=1, L=20,
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 
-def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
-    if backend == "triton":
-        try:
-            icrl_kernels.resolve_backend("triton", device)
-        except ValueError as error:
-            pytest.skip(str(error))
-        if device.type == "cpu" and full_run():
-            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
-    if backend == "compile" and device.type == "cpu" and not full_run() and shape != SMOKE_SHAPES[0]:
-        pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
-
-
 @pytest.mark.parametrize("backend", ["triton", "eager", "reference", "ungated"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
-    skip_unless_runnable(shape, backend, device)
+    skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     dtype = getattr(torch, shape.dtype)
     d_model = shape.H * shape.Dh
     torch.manual_seed(0)
@@ -103,7 +90,7 @@ def _compiled_reference():
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, backend: str) -> None:
     device = bench_device()
-    skip_unless_runnable(shape, backend, device)
+    skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     if backend == "compile" and device.type == "cpu" and layout != "bhld":
         pytest.skip("an Inductor CPU compile takes seconds: one smoke layout is enough")
     dtype = getattr(torch, shape.dtype)

@@ -37,7 +37,7 @@ import icrl_kernels
 from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.testing import assert_close_rel, relative_rms_error
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import bench_device, select_shapes, skip_unless_runnable
 
 #: FlexAttention head width: ``h [B, L, D]`` is viewed as ``D / 64`` heads of 64 features.
 HEAD_DIM = 64
@@ -154,17 +154,11 @@ def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool 
     return run
 
 
-def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
+def skip_unless_ngram_runnable(shape: Shape, backend: str, device: torch.device) -> None:
     """``pytest.skip`` for combinations that cannot run, or would not finish, here."""
     if backend == "reference" and shape.B * shape.L * shape.L * 4 > REFERENCE_PATTERN_LIMIT_BYTES:
         pytest.skip(f"dense [B, L, L] pattern needs {shape.B * shape.L**2 * 4 / 2**30:.0f} GiB")
-    if backend.startswith("triton"):
-        try:
-            icrl_kernels.resolve_backend("triton", device)
-        except ValueError as error:
-            pytest.skip(str(error))
-        if device.type == "cpu" and full_run():
-            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
+    skip_unless_runnable(backend, device)
     if backend == "flex":
         if device.type != "cuda":
             # FlexAttention has no CPU backward in this torch ("does not support backward on CPU").
@@ -183,7 +177,7 @@ def ngram_fn(backend: str, ids: torch.Tensor, n: int, dim: int) -> Callable[[tor
 
 
 def _run(fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, group: str) -> None:
-    skip_unless_runnable(shape, backend, device)
+    skip_unless_ngram_runnable(shape, backend, device)
     h, ids = make_inputs(shape, device)
     fn = ngram_fn(backend, ids, shape.n, shape.D)
     if backend == "flex":

@@ -25,11 +25,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-import icrl_kernels
 from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -64,23 +63,11 @@ def _compiled_reference():
     return torch.compile(smeared_keys_reference, dynamic=False)
 
 
-def skip_unless_runnable(shape: Shape, backend: str, device: torch.device) -> None:
-    if backend == "triton":
-        try:
-            icrl_kernels.resolve_backend("triton", device)
-        except ValueError as error:
-            pytest.skip(str(error))
-        if device.type == "cpu" and full_run():
-            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
-    if backend == "compile" and device.type == "cpu" and not full_run() and shape != SMOKE_SHAPES[0]:
-        pytest.skip("an Inductor CPU compile takes ~7 s: one smoke shape is enough")
-
-
 @pytest.mark.parametrize("backend", ["triton", "eager", "reference", "compile"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_smeared_keys_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
-    skip_unless_runnable(shape, backend, device)
+    skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
     k = torch.randn(shape.B, shape.H, shape.L, shape.Dh, generator=generator).to(device, dtype).requires_grad_()

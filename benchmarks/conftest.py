@@ -39,6 +39,26 @@ def select_shapes(full: Sequence[Any], smoke: Sequence[Any]) -> list[Any]:
     return list(full if full_run() else smoke)
 
 
+def skip_unless_runnable(backend: str, device: torch.device, *, compile_here: bool = True) -> None:
+    """``pytest.skip`` a benchmark that cannot run, or would not finish, here.
+
+    A Triton backend (``"triton"``, ``"triton-..."``) where Triton cannot run, or at full sizes under the
+    interpreter; ``"compile"`` on a CPU smoke run unless ``compile_here`` (an Inductor CPU compile takes
+    seconds, so smoke runs compile one shape).
+    """
+    if backend.startswith("triton"):
+        from icrl_kernels import resolve_backend
+
+        try:
+            resolve_backend("triton", device)
+        except ValueError as error:
+            pytest.skip(str(error))
+        if device.type == "cpu" and full_run():
+            pytest.skip("full-size shapes are far too slow for the Triton interpreter")
+    if backend == "compile" and device.type == "cpu" and not full_run() and not compile_here:
+        pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
+
+
 def bench_device() -> torch.device:
     """The device the benchmarks measure: the first CUDA device if there is one, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

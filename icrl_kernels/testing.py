@@ -82,6 +82,27 @@ def triton_devices() -> list:
     return devices
 
 
+#: The activation dtypes every kernel is tested in.
+TESTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fast_paths() -> list:
+    """``(backend, device)`` pytest parameters of an op's fast paths: the eager path on the CPU, then the
+    Triton path on every device of :func:`triton_devices` (ids ``eager``, ``triton-cpu``, ``triton-cuda``)."""
+    import pytest
+
+    return [pytest.param("eager", "cpu", id="eager")] + [
+        pytest.param("triton", device, id=f"triton-{getattr(device, 'values', [device])[0]}",
+                     marks=getattr(device, "marks", ()))
+        for device in triton_devices()
+    ]  # fmt: skip
+
+
+def fast_impls() -> list[str]:
+    """The fast backends that can run in this process: ``["eager"]``, plus ``"triton"`` where Triton runs."""
+    return ["eager"] + (["triton"] if triton_devices() else [])
+
+
 # --- compiled (non-interpreter) kernels without a GPU ---------------------------------------------
 #
 # The CPU interpreter accepts code the real compiler rejects (and the reverse), so every op's tests

@@ -8,9 +8,11 @@ available at run time, so help texts come from an optional ``help`` entry in the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 Config = TypeVar("Config")
@@ -53,3 +55,31 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
 def config_from_args(config_class: type[Config], args: argparse.Namespace) -> Config:
     """Build ``config_class`` from the parsed options added by :func:`add_config_arguments`."""
     return config_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(config_class)})
+
+
+def fill_from_preset(config: Any, presets: Mapping[str, Mapping[str, Any]]) -> None:
+    """Set every field of ``config`` that is ``None`` and named in ``presets[config.preset]`` to the preset's value.
+
+    The pattern behind ``--preset cpu|paper``: fields default to ``None`` so that an explicit flag always wins.
+    """
+    if config.preset not in presets:
+        raise ValueError(f"preset must be one of {tuple(presets)}, got {config.preset!r}")
+    for name, value in presets[config.preset].items():
+        if getattr(config, name) is None:
+            setattr(config, name, value)
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int | None) -> Iterator[None]:
+    """Run the body with ``torch.set_num_threads(num_threads)`` (unchanged for ``None`` or 0), then restore.
+
+    Tiny models gain nothing from intra-op threads, and on a shared CPU the threads fight each other."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

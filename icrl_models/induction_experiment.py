@@ -59,7 +59,7 @@ from .analysis.induction import (
     scores_by_site,
     uniform_causal_pattern,
 )
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, config_from_args, torch_threads
 
 
 @dataclass
@@ -345,13 +345,8 @@ def plot_phase_change(results: dict[str, dict], path: Path, *, threshold: float,
 
 def run_experiment(config: InductionConfig) -> dict:
     """Train every variant, write ``induction.json`` and ``induction.png`` into ``out_dir``; return the results."""
-    previous_threads = torch.get_num_threads()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    try:
+    with torch_threads(config.num_threads):
         return _run_experiment(config)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run_experiment(config: InductionConfig) -> dict:

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
 from .function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -103,21 +103,15 @@ class LoopedExperimentConfig:
     checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
     out_dir: str = _field("output folder", "runs/looped")
 
-    def resolved(self) -> LoopedExperimentConfig:
-        """A copy with every ``None`` field filled from the preset, checked."""
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {tuple(PRESETS)}, got {self.preset!r}")
-        values = {name: (PRESETS[self.preset][name] if value is None and name in PRESETS[self.preset] else value)
-                  for name, value in dataclasses.asdict(self).items()}  # fmt: skip
-        config = LoopedExperimentConfig(**values)
-        if config.grad_loops > config.loops_start:
-            raise ValueError(f"grad_loops ({config.grad_loops}) must be <= loops_start ({config.loops_start})")
-        if not 1 <= config.dims_start <= config.n_dims:
-            raise ValueError(f"dims_start must be in [1, n_dims={config.n_dims}], got {config.dims_start}")
-        if not 2 <= config.points_start <= config.n_points:
-            raise ValueError(f"points_start must be in [2, n_points={config.n_points}], got {config.points_start}")
-        FunctionClassConfig(config.task, config.n_dims)  # validates the task name
-        return config
+    def __post_init__(self) -> None:
+        fill_from_preset(self, PRESETS)
+        if self.grad_loops > self.loops_start:
+            raise ValueError(f"grad_loops ({self.grad_loops}) must be <= loops_start ({self.loops_start})")
+        if not 1 <= self.dims_start <= self.n_dims:
+            raise ValueError(f"dims_start must be in [1, n_dims={self.n_dims}], got {self.dims_start}")
+        if not 2 <= self.points_start <= self.n_points:
+            raise ValueError(f"points_start must be in [2, n_points={self.n_points}], got {self.points_start}")
+        FunctionClassConfig(self.task, self.n_dims)  # validates the task name
 
     def function_class(self) -> FunctionClassConfig:
         return FunctionClassConfig(self.task, self.n_dims)
@@ -268,9 +262,11 @@ def evaluate(config: LoopedExperimentConfig, looped_model, unlooped_model) -> di
 
 def run_experiment(config: LoopedExperimentConfig) -> dict:
     """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report."""
-    config = config.resolved()
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    with torch_threads(config.threads):
+        return _run_experiment(config)
+
+
+def _run_experiment(config: LoopedExperimentConfig) -> dict:
     out_dir = Path(config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -59,7 +59,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .analysis.markov import MarkovReport, g_markov, markov_heads
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
 from .envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from .envs.base import BatchedEnv
 from .generators import NoiseDistillation, RandomAgent, collect_histories
@@ -171,11 +171,7 @@ class MarkovConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
-        for name, value in PRESET_VALUES[self.preset].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
+        fill_from_preset(self, PRESET_VALUES)
         unknown = [task for task in self.task_list() if task not in TASKS]
         if unknown or not self.task_list():
             raise ValueError(f"tasks must be a comma-separated subset of {tuple(TASKS)}, got {self.tasks!r}")
@@ -426,13 +422,8 @@ def run_task(
 
 def run_experiment(config: MarkovConfig) -> dict:
     """Train and analyse every (task, k); write ``markov.json``, ``markov.md`` and ``markov.png``."""
-    previous_threads = torch.get_num_threads()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
-    try:
+    with torch_threads(config.num_threads):
         return _run_experiment(config)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run_experiment(config: MarkovConfig) -> dict:

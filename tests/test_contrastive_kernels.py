@@ -42,6 +42,7 @@ from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, s
 from icrl_kernels.modules.action_map import ActionMap
 from icrl_kernels.testing import (
     RMS_TOLERANCE,
+    TESTED_DTYPES,
     assert_close_rel,
     check_offline_reports,
     relative_rms_error,
@@ -60,7 +61,7 @@ FAST_PATHS = [pytest.param("eager", "cpu", id="eager")] + [
     pytest.param("triton", device, id=f"triton-{device}", marks=marks) for device, marks in _triton_device_params()
 ]
 ALL_PATHS = FAST_PATHS + [pytest.param("reference", "cpu", id="reference")]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = list(TESTED_DTYPES)
 IGNORE = -100
 
 

@@ -14,15 +14,19 @@ import torch.nn.functional as F
 
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference, resolve_backend
 from icrl_kernels.looped.function import inject_layer_norm_backward_op, inject_layer_norm_op
-from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, run_offline_compile, triton_devices
+from icrl_kernels.testing import (
+    RMS_TOLERANCE,
+    TESTED_DTYPES,
+    assert_close_rel,
+    fast_impls,
+    fast_paths,
+    run_offline_compile,
+    triton_devices,
+)
 
-FAST_PATHS = [pytest.param("eager", "cpu", id="eager")] + [
-    pytest.param("triton", device, id=f"triton-{getattr(device, 'values', [device])[0]}",
-                 marks=getattr(device, "marks", ()))
-    for device in triton_devices()
-]  # fmt: skip
-IMPLS = ["eager"] + (["triton"] if triton_devices() else [])
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FAST_PATHS = fast_paths()
+IMPLS = fast_impls()
+DTYPES = list(TESTED_DTYPES)
 NAMES = ("y", "prompt", "pos", "weight", "bias")
 
 

@@ -16,19 +16,18 @@ from icrl_kernels.moa import GATES, gate_weights_reference
 from icrl_kernels.moa.function import mixture_of_heads_backward_op, mixture_of_heads_op
 from icrl_kernels.testing import (
     RMS_TOLERANCE,
+    TESTED_DTYPES,
     assert_close_rel,
     check_offline_reports,
+    fast_impls,
+    fast_paths,
     run_offline_compile,
     triton_devices,
 )
 
-FAST_PATHS = [pytest.param("eager", "cpu", id="eager")] + [
-    pytest.param("triton", device, id=f"triton-{getattr(device, 'values', [device])[0]}",
-                 marks=getattr(device, "marks", ()))
-    for device in triton_devices()
-]  # fmt: skip
-IMPLS = ["eager"] + (["triton"] if triton_devices() else [])
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+FAST_PATHS = fast_paths()
+IMPLS = fast_impls()
+DTYPES = list(TESTED_DTYPES)
 
 
 def random_inputs(shape, *, dtype=torch.float32, logit_dtype=torch.float32, device="cpu", sdpa_view=True, seed=0):
