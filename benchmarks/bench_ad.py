@@ -12,6 +12,11 @@
 
 The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) uses the main job's CPU
 model and, on CUDA, a paper-sized one (d_model 512, 8 heads, 4 blocks).
+
+``extra_info`` keys: ``op`` (``ad_train_step``, ``ad_eval_step``), ``backend`` (the column
+``benchmarks/summarize.py`` compares: ``auto`` / ``reference``, or ``incremental`` / ``recompute``),
+``model`` and the size. Headline cases (``-m headline``): both training-step benchmarks at the largest
+size of the set that runs (``paper`` on CUDA, ``tiny`` on a smoke run), every model and backend.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 from icrl_models.models import ADConfig, ADModel
 from icrl_models.models.headless_ad import HeadlessADConfig, HeadlessADModel
 
-from .conftest import bench_device, device_name, full_run
+from .conftest import _versions, as_params, bench_device, device_name, full_run
 
 
 class Size(NamedTuple):
@@ -40,6 +45,7 @@ SMOKE = [Size("tiny", 16, 2, 1, 24, 4)]
 CPU_FULL = [Size("cpu-main", 64, 4, 2, 200, 32)]
 GPU_FULL = [Size("cpu-main", 64, 4, 2, 200, 32), Size("paper", 512, 8, 2, 250, 64)]
 SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else SMOKE
+SIZE_PARAMS = as_params(SIZES, headline=SIZES[-1:], ids=lambda s: s.name)
 MODELS = {"ad": (), "ngram_ad": (1, 2)}
 EVAL_ROUNDS = 50
 
@@ -67,7 +73,7 @@ def _sync(device) -> None:
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+@pytest.mark.parametrize("size", SIZE_PARAMS)
 def test_train_step(benchmark, size: Size, model: str, backend: str):
     device = bench_device()
     net = _model(size, model, backend, device)
@@ -76,11 +82,15 @@ def test_train_step(benchmark, size: Size, model: str, backend: str):
         "states": states, "prev_actions": prev_actions, "prev_rewards": prev_rewards,
         "actions": torch.randint(0, 5, states.shape, device=device), "mask": torch.ones_like(states, dtype=torch.bool),
     }  # fmt: skip
-    _time_train_step(benchmark, net, batch, size._asdict(), model=model, backend=backend)
+    _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model=model, backend=backend)
 
 
 def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
-    """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step."""
+    """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step.
+
+    ``extra_info`` gets ``info`` and ``more_info`` (which must name the ``op`` and the ``backend``), the
+    device and, on CUDA, the peak memory of the timed steps. The benchmark group is the op and the size.
+    """
     device = bench_device()
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -96,14 +106,19 @@ def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
     step()  # warm-up (allocator, kernels)
     for extra in info:
         benchmark.extra_info.update(extra)
-    benchmark.extra_info.update(more_info, device=device_name(device))
+    benchmark.extra_info.update(more_info, device=device_name(device), device_type=device.type, **_versions())
+    benchmark.group = f"{more_info['op'].replace('_', '-')} {benchmark.extra_info.get('name', '')}".rstrip()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     benchmark(step)
     if not benchmark.disabled:
         benchmark.extra_info["steps_per_second"] = 1.0 / benchmark.stats.stats.median
+    if device.type == "cuda":
+        benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+@pytest.mark.parametrize("size", SIZE_PARAMS)
 def test_headless_train_step(benchmark, size: Size, backend: str):
     device = bench_device()
     config = HeadlessADConfig(
@@ -119,7 +134,7 @@ def test_headless_train_step(benchmark, size: Size, backend: str):
         "available": torch.ones(size.batch, num_actions, dtype=torch.bool, device=device),
         "mask": torch.ones_like(states, dtype=torch.bool),
     }  # fmt: skip
-    _time_train_step(benchmark, net, batch, size._asdict(), model="headless_ad", backend=backend)
+    _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model="headless_ad", backend=backend)
 
 
 @pytest.mark.parametrize("mode", ["incremental", "recompute"])
@@ -148,8 +163,9 @@ def test_eval_step(benchmark, size: Size, model: str, mode: str):
             net(states, prev_actions, prev_rewards, window=size.seq_len)[:, -1]
             _sync(device)
 
-    benchmark.extra_info.update(size._asdict(), model=model, mode=mode, context=context, num_envs=num_envs,
-                                device=device_name(device))  # fmt: skip
+    benchmark.group = f"ad-eval-step {size.name}"
+    benchmark.extra_info.update(size._asdict(), op="ad_eval_step", model=model, backend=mode, context=context,
+                                num_envs=num_envs, device=device_name(device), device_type=device.type)  # fmt: skip
     if benchmark.disabled:
         benchmark(step)
     else:

@@ -9,6 +9,10 @@
 
 The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) has the ``icrl-markov`` CPU
 preset's model and, on CUDA, GPT-2 small (12 x 12 x 768) at the paper's batch 64 and ``k = 20``.
+
+``extra_info`` records the variant as ``backend`` (the column ``benchmarks/summarize.py`` compares) and
+``op = "dt_moa_train_step"``. Headline cases (``-m headline``): the three variants at the largest size
+of the set that runs (``gpt2-small`` on CUDA, ``tiny`` on a smoke run).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from icrl_models.models import DecisionTransformerMoA, DTMoAConfig
 
 from .bench_ad import _time_train_step
-from .conftest import bench_device, full_run
+from .conftest import as_params, bench_device, full_run
 
 
 class Size(NamedTuple):
@@ -58,7 +62,7 @@ def _batch(size: Size, config: DTMoAConfig, device) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("size", SIZES, ids=lambda s: s.name)
+@pytest.mark.parametrize("size", as_params(SIZES, headline=SIZES[-1:], ids=lambda s: s.name))
 def test_train_step(benchmark, size: Size, variant: str):
     device = bench_device()
     config = DTMoAConfig(
@@ -67,4 +71,5 @@ def test_train_step(benchmark, size: Size, variant: str):
     )  # fmt: skip
     torch.manual_seed(0)
     net = DecisionTransformerMoA(config).to(device)
-    _time_train_step(benchmark, net, _batch(size, config, device), size._asdict(), model="dt_moa", variant=variant)
+    batch = _batch(size, config, device)
+    _time_train_step(benchmark, net, batch, size._asdict(), op="dt_moa_train_step", model="dt_moa", backend=variant)

@@ -61,7 +61,8 @@ def test_generate(benchmark, case: Case):
     def generate():
         result["histories"] = generate_histories(config, progress=False)
 
-    benchmark.extra_info.update(case._asdict(), device=cpu_name())
+    benchmark.group = "generate-histories"
+    benchmark.extra_info.update(case._asdict(), op="generate_histories", device=cpu_name(), device_type="cpu")
     if benchmark.disabled:
         benchmark(generate)
     else:
@@ -85,7 +86,10 @@ def dark_room_histories():
 def test_window_batches(benchmark, dark_room_histories, episode_subsample: int):
     start = time.perf_counter()
     windows = HistoryWindows(dark_room_histories, 200, episode_subsample=episode_subsample)
+    benchmark.group = "window-batches"
     benchmark.extra_info.update(
+        op="window_batches",
+        device_type="cpu",
         episode_subsample=episode_subsample,
         batch=64,
         seq_len=200,

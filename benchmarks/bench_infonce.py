@@ -23,9 +23,14 @@ Baselines that materialise ``N x A`` logits are skipped where those logits alone
 :data:`LOGITS_LIMIT_BYTES` (e.g. ``A`` = 1M); the fused path still runs there. On CUDA every benchmark
 records its peak memory. Inputs: ``pred ~ N(0, 1)``, map rows ``N(0, 1/D)`` (unit norm on average;
 values do not change the work), uniform targets, tau = 0.7; bf16 on CUDA (training under autocast),
-fp32 on the CPU. ``flops`` in ``extra_info`` is the matmul work of a materialising implementation
-(``2 N A D`` forward, ``2 N A D`` per gradient); for large ``A`` this op is compute-bound, so compare
-``flops / median`` with the device's matmul throughput rather than the bandwidth roofline.
+fp32 on the CPU. Bytes and FLOPs come from :mod:`icrl_kernels.contrastive.cost` (a fused
+implementation's minimum: the logits never reach memory, and the backward recomputes them once); for
+large ``A`` the FLOPs term of the roofline binds, for small ``A`` reading ``pred``.
+
+Headline cases (``-m headline``): every backend at ``N = 65536, D = 512, wrt = pred`` with ``A = 125``,
+``4096`` and ``1M`` (the targets: within 1.5x of the roofline; at least 3x eager and 1.5x
+``torch.compile`` from ``A = 4096``; at least Liger's speed at ``A = 1M``), ``select_actions`` at
+``N = 65536, D = 512, A = 4096``, and the smoke shapes on a smoke run.
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ import torch.nn.functional as F
 
 import icrl_kernels
 from icrl_kernels._backend import triton_interpreter_enabled
+from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
 from icrl_kernels.testing import relative_rms_error
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import as_params, bench_device, full_run, select_shapes
 
 TAU = 0.7
 
@@ -81,8 +87,19 @@ def _wants_both_grads(shape: Shape) -> bool:
     return shape.D == 512 or not full_run()
 
 
+# One case per target (Headless-AD trains with a fixed map, so the gradient is w.r.t. pred only): the
+# roofline at the dark-room action set, the eager/compile targets at 4096, the Liger target at 1M.
+HEADLINE_LOSS_CASES = [(Shape(65536, 512, A), "pred") for A in (125, 4096, 1_000_000)]
+HEADLINE_LOSS_CASES += [(shape, "pred") for shape in SMOKE_SHAPES]
+HEADLINE_SELECT_SHAPES = [Shape(65536, 512, 4096), SMOKE_SHAPES[0]]
+
 LOSS_CASES = [
-    pytest.param(shape, wrt, id=f"{shape_id(shape)}-{wrt}")
+    pytest.param(
+        shape,
+        wrt,
+        id=f"{shape_id(shape)}-{wrt}",
+        marks=[pytest.mark.headline] if (shape, wrt) in HEADLINE_LOSS_CASES else [],
+    )
     for shape in SHAPES
     for wrt in ("pred", "both")
     if wrt == "pred" or _wants_both_grads(shape)
@@ -197,13 +214,10 @@ def test_infonce_fwd_bwd(timed, benchmark, shape: Shape, wrt: str, backend: str)
     def step() -> None:
         torch.autograd.grad(fn(pred, embeds, targets), leaves)
 
-    itemsize = pred.element_size()
-    map_bytes = shape.A * shape.D * itemsize
-    bytes_moved = 3 * pred.numel() * itemsize + 2 * map_bytes + (map_bytes if wrt == "both" else 0) + 16 * shape.N
-    flops = 2 * shape.N * shape.A * shape.D * (2 + (wrt == "both"))
+    cost = infonce_fwd_bwd_cost(shape.N, shape.D, shape.A, dtype=pred.dtype, grad_embeds=wrt == "both")
     benchmark.group = f"infonce-fwd-bwd {shape_id(shape)}-{wrt}"
-    info = {"op": "infonce_loss", "backend": backend, **shape._asdict(), "wrt": wrt, "tau": TAU, "flops": flops}
-    timed(step, device=device, info=info, bytes_moved=bytes_moved)
+    info = {"op": "infonce_loss", "backend": backend, **shape._asdict(), "wrt": wrt, "tau": TAU}
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
 
 
 SELECT_BACKENDS = ["fused-sample", "fused-argmax", "reference", "argmax"]
@@ -220,7 +234,7 @@ def select_fn(backend: str) -> Callable[..., torch.Tensor]:
 
 
 @pytest.mark.parametrize("backend", SELECT_BACKENDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape", as_params(SHAPES, headline=HEADLINE_SELECT_SHAPES, ids=shape_id))
 def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
     """One action per row (no gradient), on the benchmark device."""
     device = bench_device()
@@ -237,7 +251,7 @@ def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
         with torch.no_grad():
             fn(pred, embeds)
 
-    bytes_moved = (pred.numel() + embeds.numel()) * pred.element_size() + 8 * shape.N
     benchmark.group = f"select-actions {shape_id(shape)}"
     info = {"op": "select_actions", "backend": backend, **shape._asdict(), "tau": TAU}
-    timed(step, device=device, info=info, bytes_moved=bytes_moved)
+    cost = select_actions_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)

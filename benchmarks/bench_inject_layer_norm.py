@@ -12,12 +12,16 @@ implementation:
   ``reference`` because ``benchmarks/summarize.py`` takes ratios against that backend;
 * ``compile``: ``torch.compile`` of that baseline (Inductor fuses the adds into the norm).
 
-Bytes moved are the minimum of a fused implementation: the forward reads ``y`` and ``prompt`` and
-writes ``hidden`` and ``normed``; the backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and
-writes ``d_y`` and ``d_prompt`` (two tensors, since both require grad): ``9 * B * L * D`` elements,
-plus ``pos`` and its gradient (``2 * L * D``) and the fp32 row statistics (``4 * B * L``). Shapes
-are the looped transformer's (Yang et al.: GPT-2 block, D = 256; L = 2k + 1 tokens for k = 40 to
-100 in-context examples; batch 64).
+Bytes and FLOPs: :func:`icrl_kernels.looped.cost.inject_layer_norm_fwd_bwd_cost`, the minimum of a
+fused implementation: the forward reads ``y`` and ``prompt`` and writes ``hidden`` and ``normed``; the
+backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and writes ``d_y`` and ``d_prompt`` (two
+tensors, since both require grad): ``9 * B * L * D`` elements, plus ``pos`` and its gradient
+(``2 * L * D``), the LayerNorm parameters and the fp32 row statistics. Shapes are the looped
+transformer's (Yang et al.: GPT-2 block, D = 256; L = 2k + 1 tokens for k = 40 to 100 in-context
+examples; batch 64).
+
+Headline case (``-m headline``): ``triton`` at ``B = 64, L = 201`` bf16 (the roofline target), and the
+first smoke shape on a smoke run.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
+from icrl_kernels.looped.cost import inject_layer_norm_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
 from .conftest import bench_device, select_shapes, skip_unless_runnable
@@ -54,6 +59,18 @@ SMOKE_SHAPES = [Shape(B=3, L=9, D=37, dtype="float32"), Shape(B=5, L=6, D=64, dt
 
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
+HEADLINE_CASES = [(Shape(B=64, L=201, D=256, dtype="bfloat16"), "triton"), (SMOKE_SHAPES[0], "triton")]
+CASES = [
+    pytest.param(
+        shape,
+        backend,
+        id=f"{shape_id(shape)}-{backend}",
+        marks=[pytest.mark.headline] if (shape, backend) in HEADLINE_CASES else [],
+    )
+    for shape in SHAPES
+    for backend in ("triton", "eager", "reference", "compile")
+]
+
 
 def torch_inject_layer_norm(y, prompt, pos, weight, bias):
     """The unfused baseline: two adds and the native LayerNorm (same dtype rules as eager PyTorch)."""
@@ -66,13 +83,7 @@ def _compiled_torch():
     return torch.compile(torch_inject_layer_norm, dynamic=False)
 
 
-def bytes_moved(shape: Shape, itemsize: int) -> int:
-    rows = shape.B * shape.L
-    return 9 * rows * shape.D * itemsize + 2 * shape.L * shape.D * itemsize + 2 * rows * 4
-
-
-@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "compile"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape,backend", CASES)
 def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
@@ -102,4 +113,5 @@ def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str)
 
     benchmark.group = f"inject-layer-norm-fwd-bwd {shape_id(shape)}"
     info = {"op": "inject_layer_norm", "backend": backend, **shape._asdict(), "shape": [shape.B, shape.L, shape.D]}
-    timed(step, device=device, info=info, bytes_moved=bytes_moved(shape, dtype.itemsize), warmup=2)
+    cost = inject_layer_norm_fwd_bwd_cost(shape.B, shape.L, shape.D, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2)

@@ -1,7 +1,7 @@
 """Looped block: a training step and a long inference loop (DESIGN.md sections 2.4 and 5).
 
 Shapes are the looped-transformer paper's (``D = 256``, 8 heads, one block, prompts of ``L = 81..201``
-tokens, ``B = 64``). Implementations:
+tokens, ``B = 64``). Backends (``backend`` in ``extra_info``, as in every other benchmark):
 
 * ``fused``: :class:`icrl_kernels.LoopedBlock` with the fused injection + LayerNorm op (Triton on
   CUDA, eager PyTorch on CPU);
@@ -13,8 +13,13 @@ tokens, ``B = 64``). Implementations:
 
 ``train`` times ``b`` loops of which the last ``T`` keep autograd, a mean-squared loss over the kept
 iterates and the backward (the paper's truncated loss); ``infer`` times ``b`` loops without autograd.
-Bytes moved are a lower bound per loop: the block's weights read once and the iterate read and written
-once (activations inside the block are not counted), times the loops.
+Bytes and FLOPs: :func:`icrl_kernels.looped.cost.train_step_cost` and
+:func:`~icrl_kernels.looped.cost.inference_cost` (per loop the weights, the iterate and the prompt;
+the blocks' matmul FLOPs, which bind).
+
+Headline cases (``-m headline``): every backend for a bf16 train step at ``L = 81, b = 30, T = 15``
+(the target: at least 3x the eager loop) and 500-loop bf16 inference at ``L = 81`` (at least 5x), and
+the smoke shapes on a smoke run.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import pytest
 import torch
 
 from icrl_kernels import LoopedBlock
+from icrl_kernels.looped.cost import inference_cost, train_step_cost
 
-from .conftest import bench_device, full_run, select_shapes
+from .conftest import as_params, bench_device, full_run, select_shapes
 
 
 class Shape(NamedTuple):
@@ -43,48 +49,50 @@ def shape_id(shape: Shape) -> str:
     return f"B{shape.B}-L{shape.L}-D{shape.D}-H{shape.H}-b{shape.loops}-T{shape.grad_loops}-{shape.dtype}"
 
 
+SMOKE_TRAIN = Shape(2, 9, 32, 2, 4, 2, "float32")
+SMOKE_INFER = Shape(2, 9, 32, 2, 6, 0, "float32")
 TRAIN_SHAPES = select_shapes(
     [Shape(64, L, 256, 8, loops, T, dtype) for L in (81, 201) for loops, T in ((20, 10), (30, 15))
      for dtype in ("float32", "bfloat16")],
-    [Shape(2, 9, 32, 2, 4, 2, "float32")],
+    [SMOKE_TRAIN],
 )  # fmt: skip
 INFER_SHAPES = select_shapes(
-    [Shape(64, L, 256, 8, 500, 0, dtype) for L in (81, 201) for dtype in ("float32", "bfloat16")],
-    [Shape(2, 9, 32, 2, 6, 0, "float32")],
+    [Shape(64, L, 256, 8, 500, 0, dtype) for L in (81, 201) for dtype in ("float32", "bfloat16")], [SMOKE_INFER]
 )
-IMPLEMENTATIONS = ["fused", "fused-graph", "eager", "compile"]
+HEADLINE_SHAPES = [
+    Shape(64, 81, 256, 8, 30, 15, "bfloat16"),  # train step at the paper's b_max / T
+    Shape(64, 81, 256, 8, 500, 0, "bfloat16"),  # 500-loop inference
+    SMOKE_TRAIN,
+    SMOKE_INFER,
+]
+BACKENDS = ["fused", "fused-graph", "eager", "compile"]
 
 
-def make_block(shape: Shape, implementation: str, device: torch.device) -> tuple[LoopedBlock, callable]:
-    """The module and a ``step(y, prompt)`` callable for ``implementation``."""
-    if implementation == "fused-graph" and device.type != "cuda":
+def make_block(shape: Shape, backend: str, device: torch.device) -> tuple[LoopedBlock, callable]:
+    """The module and a ``step(y, prompt)`` callable for ``backend``."""
+    if backend == "fused-graph" and device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
-    if implementation == "compile" and device.type == "cpu" and not full_run():
+    if backend == "compile" and device.type == "cpu" and not full_run():
         pytest.skip("an Inductor CPU compile per shape is too slow for a smoke run")
     torch.manual_seed(0)
-    backend = "auto" if implementation.startswith("fused") else "reference"
-    block = LoopedBlock(shape.D, shape.H, shape.L, backend=backend, cuda_graph=implementation == "fused-graph")
+    op_backend = "auto" if backend.startswith("fused") else "reference"
+    block = LoopedBlock(shape.D, shape.H, shape.L, backend=op_backend, cuda_graph=backend == "fused-graph")
     block = block.to(device)
-    if implementation == "compile":
+    if backend == "compile":
         block.step = torch.compile(block.step, dynamic=False)
     return block, block.step
-
-
-def bytes_per_loop(block: LoopedBlock, shape: Shape, dtype: torch.dtype) -> int:
-    weights = sum(p.numel() for p in block.parameters()) * torch.finfo(dtype).bits // 8
-    return weights + 2 * shape.B * shape.L * shape.D * torch.finfo(dtype).bits // 8
 
 
 def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("shape", TRAIN_SHAPES, ids=shape_id)
-def test_looped_train_step(timed, benchmark, shape: Shape, implementation: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", as_params(TRAIN_SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
+def test_looped_train_step(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
     dtype = getattr(torch, shape.dtype)
-    block, _ = make_block(shape, implementation, device)
+    block, _ = make_block(shape, backend, device)
     prompt = torch.randn(shape.B, shape.L, shape.D, device=device, requires_grad=True)
 
     def step() -> None:
@@ -93,16 +101,17 @@ def test_looped_train_step(timed, benchmark, shape: Shape, implementation: str) 
         iterates.float().square().mean().backward()
 
     benchmark.group = f"looped-train {shape_id(shape)}"
-    info = {"op": "looped_block_train", "implementation": implementation, **shape._asdict()}
-    timed(step, device=device, info=info, bytes_moved=shape.loops * bytes_per_loop(block, shape, dtype), warmup=2)
+    info = {"op": "looped_block_train", "backend": backend, **shape._asdict()}
+    cost = train_step_cost(shape.B, shape.L, shape.D, loops=shape.loops, grad_loops=shape.grad_loops, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("shape", INFER_SHAPES, ids=shape_id)
-def test_looped_inference(timed, benchmark, shape: Shape, implementation: str) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", as_params(INFER_SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
+def test_looped_inference(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
     dtype = getattr(torch, shape.dtype)
-    block, _ = make_block(shape, implementation, device)
+    block, _ = make_block(shape, backend, device)
     block.eval()
     prompt = torch.randn(shape.B, shape.L, shape.D, device=device)
 
@@ -111,5 +120,6 @@ def test_looped_inference(timed, benchmark, shape: Shape, implementation: str) -
             block.run_without_grad(prompt, shape.loops)
 
     benchmark.group = f"looped-infer {shape_id(shape)}"
-    info = {"op": "looped_block_inference", "implementation": implementation, **shape._asdict()}
-    timed(step, device=device, info=info, bytes_moved=shape.loops * bytes_per_loop(block, shape, dtype), warmup=2)
+    info = {"op": "looped_block_inference", "backend": backend, **shape._asdict()}
+    cost = inference_cost(shape.B, shape.L, shape.D, loops=shape.loops, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2)

@@ -3,8 +3,8 @@
 Two families of benchmarks:
 
 ``test_moa_attention_fwd_bwd`` times a whole ``MoAAttention`` layer (QKV projection, SDPA, gating,
-output projection) and the gradient w.r.t. its input ``x [B, L, D]`` (parameter gradients are computed
-too, as in training) at ``H = 12, Dh = 64`` (GPT-2 small):
+output projection) and the gradients w.r.t. its input ``x [B, L, D]`` and all its parameters (as in
+training) at ``H = 12, Dh = 64`` (GPT-2 small):
 
 * ``triton`` / ``eager``: the gated layer with ``mixture_of_heads`` on that backend;
 * ``reference``: the same layer with the gate math as plain PyTorch ops after SDPA, differentiated by
@@ -16,10 +16,15 @@ too, as in training) at ``H = 12, Dh = 64`` (GPT-2 small):
 SDPA produces: ``blhd`` (contiguous: what PyTorch's flash kernels return, e.g. for the strided q/k/v
 views of one QKV projection, as in ``MoAAttention``) and ``bhld`` (the ``transpose(1, 2)`` view of a
 ``[B, H, L, Dh]``-contiguous output, e.g. SDPA on contiguous inputs): ``triton``, ``eager``,
-``reference`` (autograd) and ``compile`` (``torch.compile`` of the reference). Bytes moved are a
-fused op's minimum: forward reads the heads and logits and writes the output, backward reads ``dout``,
-the heads and the logits and writes both gradients, i.e. ``6 N`` head-sized elements plus
-``3 B L H`` logits.
+``reference`` (autograd) and ``compile`` (``torch.compile`` of the reference).
+
+Bytes and FLOPs: :mod:`icrl_kernels.moa.cost` (the layer's boundary traffic and its projection and
+attention FLOPs, compute-bound; the op's ``5 N`` head-sized elements plus ``3 B L H`` logits,
+memory-bound).
+
+Headline cases (``-m headline``): every layer backend at ``B = 16`` and ``64``, ``L = 1024``, bf16 (the
+target: gated at most 1.1x ungated), the Triton op at ``B = 16, L = 1024`` bf16 in SDPA's flash layout
+(its roofline target), and the first smoke shape on a smoke run.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ import pytest
 import torch
 
 from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference
+from icrl_kernels.moa.cost import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, select_shapes, skip_unless_runnable
+from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -54,15 +60,32 @@ FULL_SHAPES = [
     *(Shape(B=8, L=L, H=12, Dh=64, dtype="float32") for L in (60, 256, 1024, 4096)),
     *(Shape(B=64, L=L, H=12, Dh=64, dtype="bfloat16") for L in (60, 256, 1024)),
     Shape(B=8, L=4096, H=12, Dh=64, dtype="bfloat16"),
+    Shape(B=16, L=1024, H=12, Dh=64, dtype="bfloat16"),  # the headline shape of the gated-vs-ungated target
 ]
 # Smoke set: a few interpreter programs each.
 SMOKE_SHAPES = [Shape(B=2, L=37, H=12, Dh=16, dtype="float32"), Shape(B=1, L=20, H=3, Dh=64, dtype="bfloat16")]
 
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
+HEADLINE_SHAPES = [Shape(B=B, L=1024, H=12, Dh=64, dtype="bfloat16") for B in (16, 64)] + SMOKE_SHAPES[:1]
+HEADLINE_OP_CASES = [(HEADLINE_SHAPES[0], "blhd", "triton"), (SMOKE_SHAPES[0], "blhd", "triton")]
+OP_BACKENDS = ["triton", "eager", "reference", "compile"]
+OP_CASES = [
+    pytest.param(
+        shape,
+        layout,
+        backend,
+        id=f"{shape_id(shape)}-{layout}-{backend}",
+        marks=[pytest.mark.headline] if (shape, layout, backend) in HEADLINE_OP_CASES else [],
+    )
+    for shape in SHAPES
+    for layout in ("blhd", "bhld")
+    for backend in OP_BACKENDS
+]
+
 
 @pytest.mark.parametrize("backend", ["triton", "eager", "reference", "ungated"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape", as_params(SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
 def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
@@ -77,7 +100,8 @@ def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -
     x = torch.randn(shape.B, shape.L, d_model, device=device, dtype=dtype, requires_grad=True)
     benchmark.group = f"moa-attention-fwd-bwd {shape_id(shape)}"
     info = {"op": "moa_attention", "backend": backend, **shape._asdict()}
-    fwd_bwd(layer, x, info=info)
+    cost = attention_fwd_bwd_cost(shape.B, shape.L, shape.H, shape.Dh, dtype=dtype, gated=backend != "ungated")
+    fwd_bwd(layer, x, info=info, cost=cost, wrt=tuple(layer.parameters()))
 
 
 @functools.cache
@@ -85,9 +109,7 @@ def _compiled_reference():
     return torch.compile(mixture_of_heads_reference, dynamic=False)
 
 
-@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "compile"])
-@pytest.mark.parametrize("layout", ["blhd", "bhld"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("shape,layout,backend", OP_CASES)
 def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, backend: str) -> None:
     device = bench_device()
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
@@ -116,8 +138,7 @@ def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, b
     def step():
         return torch.autograd.grad(fn(sdpa_out.transpose(1, 2), logits), (sdpa_out, logits), grad_out)
 
-    heads_bytes = sdpa_out.numel() * sdpa_out.element_size()
-    logits_bytes = logits.numel() * logits.element_size()
     benchmark.group = f"moa-op-fwd-bwd {shape_id(shape)}-{layout}"
     info = {"op": "mixture_of_heads", "backend": backend, "layout": layout, **shape._asdict()}
-    timed(step, device=device, info=info, bytes_moved=6 * heads_bytes + 3 * logits_bytes)
+    cost = mixture_of_heads_fwd_bwd_cost(shape.B, shape.L, shape.H, shape.Dh, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype)

@@ -8,15 +8,23 @@ the gradient w.r.t. ``h [B, L, D]`` for one shape and one implementation:
 * ``triton-tiled``: the Triton kernels that build the mask tile by tile from the ids, O(L^2 D)
   work but no sort (``algorithm="tiled"``); comparing the two Triton rows over ``L`` gives the
   length up to which ``algorithm="auto"`` should pick the tiled kernel;
-* ``reference``: the dense ``[B, L, L]`` pattern and a matmul, O(L^2 D) time and O(L^2) memory;
+* ``reference``: the dense ``[B, L, L]`` pattern and a matmul, O(L^2 D) time and O(L^2) memory, with
+  fp32 matmuls in full precision (TF32 off, PyTorch's default);
+* ``reference-tf32``: the same with TF32 matmuls allowed (CUDA only; on the CPU TF32 does not exist);
 * ``flex``: FlexAttention (CUDA only) with a mask_mod that encodes the same pattern, the general-
-  purpose peer a user would otherwise reach for.
+  purpose peer a user would otherwise reach for, its block mask built once outside the timed region
+  (as a user would share it across layers);
+* ``flex+mask``: the same with the n-gram keys and the block mask built inside every timed call.
 
 The ``eager`` and ``triton-sort`` timings include building the plan (one sort of ``B x L`` keys),
-because ``ngram_attention(h, ids, n)`` does that on every call; the ``reference`` timing includes
-building its dense pattern; the ``flex`` timing excludes building its block mask, which is done
-once per shape outside the timed region (as a user would share it across layers). Inputs are fp32
-``h ~ N(0, 1)`` and ids drawn uniformly from ``[0, vocab)``.
+because ``ngram_attention(h, ids, n)`` does that on every call, so ``flex+mask`` is the like-for-like
+peer and ``flex`` the one with its setup amortised; the ``reference`` timings include building the
+dense pattern. Inputs are fp32 ``h ~ N(0, 1)`` and ids drawn uniformly from ``[0, vocab)``. Bytes and
+FLOPs: :func:`icrl_kernels.ngram.cost.fwd_bwd_cost`.
+
+Headline cases (``-m headline``): every backend at ``B=16, L=4096, D=512, n=2`` with vocabularies 81
+and 10^4 (the targets: at least 10x the dense reference, faster than FlexAttention at vocab 10^4), and
+the first two smoke shapes on a smoke run.
 
 ``test_ngram_cpu_crossover`` times ``eager`` against ``reference`` on the CPU over a sweep of ``L``;
 ``benchmarks/summarize.py`` reads the ratio per ``L`` and the crossover from the saved JSON.
@@ -24,6 +32,7 @@ once per shape outside the timed region (as a user would share it across layers)
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -34,10 +43,11 @@ import torch
 import torch.nn.functional as F
 
 import icrl_kernels
+from icrl_kernels.ngram.cost import fwd_bwd_cost
 from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.testing import assert_close_rel, relative_rms_error
 
-from .conftest import bench_device, select_shapes, skip_unless_runnable
+from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable
 
 #: FlexAttention head width: ``h [B, L, D]`` is viewed as ``D / 64`` heads of 64 features.
 HEAD_DIM = 64
@@ -86,6 +96,12 @@ SMOKE_SHAPES = [
 
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
+# One shape per target, every backend: the 10x-over-dense target at vocabulary 81 and 10^4, and the
+# FlexAttention target at 10^4 (sparse matches: most of flex's mask blocks are empty, its best case).
+HEADLINE_SHAPES = [Shape(B=16, L=4096, D=512, vocab=81, n=2), Shape(B=16, L=4096, D=512, vocab=10_000, n=2),
+                   *SMOKE_SHAPES[:2]]  # fmt: skip
+BACKENDS = ["eager", "triton-sort", "triton-tiled", "reference", "reference-tf32", "flex", "flex+mask"]
+
 # The CPU crossover sweep runs its full L range only when asked for explicitly, so that a CUDA run
 # (full shapes by default) does not spend minutes on the CPU.
 if os.environ.get("ICRL_BENCH_FULL", "0") == "1":
@@ -114,14 +130,15 @@ def _compiled(name: str) -> Callable[..., object]:
     return torch.compile(getattr(flex, name), dynamic=False)
 
 
-def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool = True):
+def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool = True, mask_per_call: bool = False):
     """The n-gram pattern as a FlexAttention mask; returns ``fn(h [B, L, dim]) -> [B, L, dim]``.
 
     With ``g[b, t]`` the identity of the n-gram ending at ``t`` (``-1`` when out of range or padded),
     query ``q`` attends to key ``kv`` iff ``kv < q`` and ``g[b, q] == g[b, kv - 1] >= 0``. Queries and
     keys are all zero, so every allowed score is equal and the softmax is the uniform mean over the
     matches; a row with no match comes out as zero, as the op's convention requires. Values are ``h``
-    split into ``dim / 64`` heads. The block mask is built here, once, outside any timed region.
+    split into ``dim / 64`` heads. The keys ``g`` and the block mask are built here, once, outside any
+    timed region, or with ``mask_per_call`` on every call of ``fn`` (what the op does with its plan).
     """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -129,10 +146,10 @@ def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool 
         raise ValueError(f"dim must be a multiple of {HEAD_DIM}, got {dim}")
     batch, length = ids.shape
     heads = dim // HEAD_DIM
-    query_key, _ = ngram_keys(ids, n)
-    # key_of_kv[b, kv] = g[b, kv - 1]; kv = 0 has no preceding n-gram, so it gets -2, which no query
-    # key (>= 0 when valid) equals. Shifting once here keeps the mask_mod free of a kv - 1 index.
-    key_of_kv = F.pad(query_key[:, :-1], (1, 0), value=-2)
+    # Filled by build_mask; the mask_mod reads these same two tensors on every call, so a rebuilt mask
+    # reuses the compiled graph (a fresh closure per call could make Dynamo recompile).
+    query_key = torch.empty_like(ids, dtype=torch.int64)
+    key_of_kv = torch.empty_like(query_key)
 
     def mask_mod(b, h, q, kv):
         query = query_key[b, q]
@@ -141,11 +158,21 @@ def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool 
     # Compiled, the mask is evaluated block by block inside one kernel; uncompiled, it materialises
     # [B, 1, L, L] intermediates (tens of GB at L = 65536).
     make_block_mask = _compiled("create_block_mask") if compiled else create_block_mask
-    block_mask = make_block_mask(mask_mod, batch, None, length, length, device=ids.device)
+
+    def build_mask():
+        keys, _ = ngram_keys(ids, n)
+        query_key.copy_(keys)
+        # key_of_kv[b, kv] = g[b, kv - 1]; kv = 0 has no preceding n-gram, so it gets -2, which no query
+        # key (>= 0 when valid) equals. Shifting once here keeps the mask_mod free of a kv - 1 index.
+        key_of_kv.copy_(F.pad(keys[:, :-1], (1, 0), value=-2))
+        return make_block_mask(mask_mod, batch, None, length, length, device=ids.device)
+
+    shared_mask = None if mask_per_call else build_mask()
     attend = _compiled("flex_attention") if compiled else flex_attention
     zeros = torch.zeros(batch, heads, length, HEAD_DIM, device=ids.device)
 
     def run(h: torch.Tensor) -> torch.Tensor:
+        block_mask = build_mask() if mask_per_call else shared_mask
         values = h.view(batch, length, heads, HEAD_DIM).transpose(1, 2)
         q = zeros.to(h.dtype)
         out = attend(q, q, values, block_mask=block_mask)
@@ -156,10 +183,12 @@ def flex_ngram_attention(ids: torch.Tensor, n: int, dim: int, *, compiled: bool 
 
 def skip_unless_ngram_runnable(shape: Shape, backend: str, device: torch.device) -> None:
     """``pytest.skip`` for combinations that cannot run, or would not finish, here."""
-    if backend == "reference" and shape.B * shape.L * shape.L * 4 > REFERENCE_PATTERN_LIMIT_BYTES:
+    if backend.startswith("reference") and shape.B * shape.L * shape.L * 4 > REFERENCE_PATTERN_LIMIT_BYTES:
         pytest.skip(f"dense [B, L, L] pattern needs {shape.B * shape.L**2 * 4 / 2**30:.0f} GiB")
+    if backend == "reference-tf32" and device.type != "cuda":
+        pytest.skip("TF32 matmuls exist on CUDA only: on the CPU this is the reference")
     skip_unless_runnable(backend, device)
-    if backend == "flex":
+    if backend.startswith("flex"):
         if device.type != "cuda":
             # FlexAttention has no CPU backward in this torch ("does not support backward on CPU").
             pytest.skip("FlexAttention fwd+bwd needs CUDA")
@@ -168,19 +197,31 @@ def skip_unless_ngram_runnable(shape: Shape, backend: str, device: torch.device)
 
 
 def ngram_fn(backend: str, ids: torch.Tensor, n: int, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    if backend == "flex":
-        return flex_ngram_attention(ids, n, dim)
+    if backend.startswith("flex"):
+        return flex_ngram_attention(ids, n, dim, mask_per_call=backend == "flex+mask")
     if backend.startswith("triton-"):
         algorithm = backend.removeprefix("triton-")
         return lambda h: icrl_kernels.ngram_attention(h, ids, n, backend="triton", algorithm=algorithm)
-    return lambda h: icrl_kernels.ngram_attention(h, ids, n, backend=backend)
+    implementation = backend.removesuffix("-tf32")
+    return lambda h: icrl_kernels.ngram_attention(h, ids, n, backend=implementation)
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """``torch.set_float32_matmul_precision`` for the block (``"highest"``: IEEE fp32, ``"high"``: TF32)."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def _run(fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, group: str) -> None:
     skip_unless_ngram_runnable(shape, backend, device)
     h, ids = make_inputs(shape, device)
     fn = ngram_fn(backend, ids, shape.n, shape.D)
-    if backend == "flex":
+    if backend.startswith("flex"):
         # A peer computing something else would make the comparison meaningless: check it once at
         # this very shape against the library's eager path. The tolerance admits TF32 rounding inside
         # FlexAttention's kernels; a wrong mask gives errors of order 1.
@@ -189,11 +230,14 @@ def _run(fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, g
         assert error < 1e-2, f"FlexAttention peer disagrees with the op: relative RMS error {error:.2e}"
     benchmark.group = f"{group} {shape_id(shape)}"
     info = {"op": "ngram_attention", "backend": backend, **shape._asdict()}
-    fwd_bwd(fn, h, info=info, extra_bytes=ids.numel() * ids.element_size())
+    cost = fwd_bwd_cost(shape.B, shape.L, shape.D, dtype=h.dtype, ids_itemsize=ids.element_size())
+    # The TF32 setting is global and read when the backward's matmuls launch too, so it spans the call.
+    with float32_matmul_precision("high" if backend.endswith("-tf32") else "highest"):
+        fwd_bwd(fn, h, info=info, cost=cost)
 
 
-@pytest.mark.parametrize("backend", ["eager", "triton-sort", "triton-tiled", "reference", "flex"])
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", as_params(SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
 def test_ngram_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     """Forward + backward of every implementation at one shape, on the benchmark device."""
     _run(fwd_bwd, benchmark, shape, backend, bench_device(), group="ngram-fwd-bwd")
@@ -229,9 +273,12 @@ def test_flex_peer_matches_reference() -> None:
     fn = flex_ngram_attention(ids, n, dim, compiled=device.type == "cuda")
     expected = icrl_kernels.ngram_attention_reference(h, ids, n)
     if device.type != "cuda":
-        out = fn(h.detach())  # FlexAttention refuses CPU inputs that require grad
-        assert_close_rel(out, expected.detach(), rms_tol=1e-4, name="flex output")
-        assert not out[1, 120:].any(), "rows with no match must be exactly zero"
+        # FlexAttention refuses CPU inputs that require grad. The mask built per call (flex+mask)
+        # must give the same output as the shared one.
+        rebuilt = flex_ngram_attention(ids, n, dim, compiled=False, mask_per_call=True)
+        for name, out in (("flex", fn(h.detach())), ("flex+mask", rebuilt(h.detach()))):
+            assert_close_rel(out, expected.detach(), rms_tol=1e-4, name=f"{name} output")
+            assert not out[1, 120:].any(), "rows with no match must be exactly zero"
         return
     out = fn(h)
     assert_close_rel(out, expected, rms_tol=1e-3, name="flex output")

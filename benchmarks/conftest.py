@@ -4,12 +4,21 @@ Shape sets: every benchmark file declares a full set (the shapes DESIGN.md secti
 tiny smoke set. The full set runs on CUDA, or anywhere when ``ICRL_BENCH_FULL=1``; otherwise the
 smoke set runs, small enough that ``TRITON_INTERPRET=1 pytest benchmarks --benchmark-disable`` runs
 every benchmark once in seconds on a laptop CPU (the Triton interpreter takes about half a second
-per program per tile).
+per program per tile). In both sets one case per performance target carries the ``headline`` marker
+(:func:`as_params`), so ``pytest benchmarks -m headline`` runs the cases behind the targets first.
 
-Timing: the :func:`fwd_bwd` fixture times ``forward + backward`` of one op and records, in
-``benchmark.extra_info``, the shape, the device and library versions, the estimated bytes moved and
-achieved bytes/s, and on CUDA the peak memory and the device's measured copy bandwidth, so that
-``benchmarks/summarize.py`` can print time ratios and roofline fractions from the JSON alone.
+Timing: the :func:`timed` fixture (and :func:`fwd_bwd` on top of it, for ``forward + backward``)
+records, in ``benchmark.extra_info``, the shape, the device and library versions, the op's minimal
+bytes and FLOPs from its cost model (``icrl_kernels/<op>/cost.py``), and on CUDA the peak memory,
+the device's measured copy bandwidth and matmul peaks, and the roofline bound
+``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, so that
+``benchmarks/summarize.py`` can print ratios, targets and roofline fractions from the JSON alone.
+
+L2: inputs are not rotated between timed calls, so a case whose working set fits in the L2 cache
+(50 MB on an H100) may read it from L2 rather than device memory and run faster than the copy
+bandwidth allows. Rotating input sets would need per-op code and, for the large cases that the targets
+are about, changes nothing; instead ``summarize.py`` shows a roofline fraction above 100% as
+"L2-resident, not a roofline" and marks the cases whose bytes fit in the recorded ``l2_cache_bytes``.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from icrl_kernels._cost import OpCost, roofline
 
 #: Wall time each timed benchmark aims for (seconds); rounds are chosen to fill it.
 TARGET_SECONDS = float(os.environ.get("ICRL_BENCH_SECONDS", "1.0"))
@@ -37,6 +48,19 @@ def full_run() -> bool:
 def select_shapes(full: Sequence[Any], smoke: Sequence[Any]) -> list[Any]:
     """The full shape set when :func:`full_run`, else the smoke set."""
     return list(full if full_run() else smoke)
+
+
+def as_params(cases: Sequence[Any], *, headline: Sequence[Any] = (), ids: Callable[[Any], str] | None = None) -> list:
+    """``cases`` as ``pytest.param`` values, the ones in ``headline`` marked ``pytest.mark.headline``.
+
+    ``headline`` may list cases of both the full and the smoke set; only those in ``cases`` matter.
+    Marking a shape marks every backend parametrised beside it, so the headline run has both sides of
+    each ratio.
+    """
+    return [
+        pytest.param(case, marks=[pytest.mark.headline] if case in headline else [], id=ids(case) if ids else None)
+        for case in cases
+    ]
 
 
 def skip_unless_runnable(backend: str, device: torch.device, *, compile_here: bool = True) -> None:
@@ -92,31 +116,101 @@ def _versions() -> dict[str, str]:
     return {"torch": torch.__version__, "triton": triton_version}
 
 
+def median_seconds(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls: each timed with CUDA events
+    on a CUDA device, with the host clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_time = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_time)
+    return sorted(times)[len(times) // 2]
+
+
 @pytest.fixture(scope="session")
 def copy_bandwidth() -> float | None:
     """Device-to-device copy bandwidth in bytes/s (read + write counted) on CUDA, else ``None``.
 
-    Measured here rather than taken from a data sheet so that the roofline fraction of every benchmark
-    compares with what this device actually sustains in the same run.
+    Measured here rather than taken from a data sheet so that the roofline of every benchmark compares
+    with what this device actually sustains in the same run. The 1 GiB buffers are far larger than any
+    L2 cache (50 MB on an H100), so this is device-memory bandwidth.
+    """
+    if not torch.cuda.is_available():
+        return None
+    bandwidth = copy_bytes_per_second(bench_device(), 2**30)
+    torch.cuda.empty_cache()  # hand the 2 GiB back for the benchmarks' own inputs
+    return bandwidth
+
+
+def copy_bytes_per_second(device: torch.device, size: int) -> float:
+    """Bytes read + written per second by a copy of ``size`` bytes on ``device`` (median of 10)."""
+    src = torch.empty(size // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * size / median_seconds(lambda: dst.copy_(src), device, repeats=10)
+
+
+#: Side of the square matmul that measures the device's peak (large enough to saturate an H100).
+MATMUL_PEAK_SIZE = 8192
+
+
+@pytest.fixture(scope="session")
+def matmul_peak() -> dict[str, float] | None:
+    """Measured matmul throughput in FLOP/s on CUDA, ``{"bfloat16": ..., "float32": ...}``, else ``None``.
+
+    A ``8192^3`` matmul of random data (zeros would draw less power and clock higher), the median of
+    10 calls timed with CUDA events after 3 warm-up calls. ``float32`` is measured with the process's
+    TF32 setting (PyTorch's default: off, IEEE fp32), which is how the fp32 benchmarks run. Half-precision
+    ops are bound by the bf16 figure, fp32 ops by the fp32 one (:func:`peak_for`).
     """
     if not torch.cuda.is_available():
         return None
     device = bench_device()
-    src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)  # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    _sync(device)
-    repeats = 10
-    start = time.perf_counter()
-    for _ in range(repeats):
-        dst.copy_(src)
-    _sync(device)
-    seconds = (time.perf_counter() - start) / repeats
-    bandwidth = 2 * src.numel() * src.element_size() / seconds
-    del src, dst
-    torch.cuda.empty_cache()  # hand the 2 GiB back for the benchmarks' own inputs
-    return bandwidth
+    peaks = {name: matmul_flops_per_second(device, getattr(torch, name)) for name in ("bfloat16", "float32")}
+    torch.cuda.empty_cache()
+    return peaks
+
+
+def matmul_flops_per_second(device: torch.device, dtype: torch.dtype, size: int = MATMUL_PEAK_SIZE) -> float:
+    """FLOP/s of a ``size^3`` matmul of random ``dtype`` data on ``device`` (median of 10)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    out = torch.empty_like(a)
+    return 2 * size**3 / median_seconds(lambda: torch.mm(a, b, out=out), device, repeats=10)
+
+
+def peak_for(peaks: dict[str, float], dtype: torch.dtype | str) -> float:
+    """The matmul peak that bounds an op computing in ``dtype``: the bf16 one for fp16/bf16, else fp32."""
+    name = str(dtype).removeprefix("torch.")
+    return peaks["bfloat16"] if name in ("bfloat16", "float16") else peaks["float32"]
+
+
+def roofline_info(cost: OpCost, dtype: torch.dtype | str, copy_bytes_per_second: float, peaks: dict[str, float]):
+    """``extra_info`` entries of the roofline bound of ``cost`` (see :func:`icrl_kernels._cost.roofline`)."""
+    flops_per_second = peak_for(peaks, dtype)
+    seconds, bound = roofline(cost, copy_bytes_per_second, flops_per_second)
+    return {
+        "copy_bytes_per_second": copy_bytes_per_second,
+        "matmul_flops_per_second": peaks["bfloat16"],
+        "matmul_flops_per_second_fp32": peaks["float32"],
+        "roofline_flops_per_second": flops_per_second,
+        "roofline_seconds": seconds,
+        "roofline_bound": bound,
+    }
+
+
+def _l2_cache_bytes(device: torch.device) -> int | None:
+    return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", None)
 
 
 def _choose_rounds(step: Callable[[], None], device: torch.device) -> int:
@@ -129,22 +223,40 @@ def _choose_rounds(step: Callable[[], None], device: torch.device) -> int:
 
 
 @pytest.fixture
-def timed(benchmark, copy_bandwidth):
+def timed(benchmark, copy_bandwidth, matmul_peak):
     """Time ``step()`` (which must leave no pending work but CUDA kernels): the core of every benchmark.
 
-    Returns ``run(step, *, device, info, bytes_moved, warmup=1)``. ``warmup`` untimed calls first
-    (compilation, Triton autotuning, allocator growth), then one more to size the rounds to about
-    ``ICRL_BENCH_SECONDS``. ``extra_info`` gets ``info``, the device and versions, ``bytes_moved`` (the
-    minimum traffic of a fused implementation) and, when timed, achieved bytes/s and on CUDA the peak
-    memory over the timed calls (inputs included), the copy bandwidth and the roofline fraction.
+    Returns ``run(step, *, device, info, cost, dtype, warmup=1)``. ``cost`` is the op's
+    :class:`~icrl_kernels._cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
+    ``cost.py``) and ``dtype`` the dtype its math runs in (which matmul peak bounds it). ``warmup``
+    untimed calls first (compilation, Triton autotuning, allocator growth), then one more to size the
+    rounds to about ``ICRL_BENCH_SECONDS``.
+
+    ``extra_info`` gets ``info``, the device and versions, ``bytes_moved`` and ``flops`` and, when timed,
+    the achieved bytes/s and FLOP/s; on CUDA also the peak memory over the timed calls (inputs
+    included), the copy bandwidth, both matmul peaks, the L2 size, the roofline bound in seconds
+    (``roofline_seconds``), which term binds (``roofline_bound``: ``"bytes"`` or ``"flops"``) and
+    ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit).
     """
 
-    def run(step: Callable[[], Any], *, device: torch.device, info: dict, bytes_moved: int, warmup: int = 1):
+    def run(
+        step: Callable[[], Any],
+        *,
+        device: torch.device,
+        info: dict,
+        cost: OpCost,
+        dtype: torch.dtype | str,
+        warmup: int = 1,
+    ) -> None:
         def call() -> None:
             step()
             _sync(device)
 
-        benchmark.extra_info.update(info, device=device_name(device), bytes_moved=bytes_moved, **_versions())
+        benchmark.extra_info.update(info, device=device_name(device), device_type=device.type, **_versions())
+        benchmark.extra_info.update(bytes_moved=cost.bytes, flops=cost.flops)
+        if device.type == "cuda":
+            benchmark.extra_info.update(roofline_info(cost, dtype, copy_bandwidth, matmul_peak))
+            benchmark.extra_info["l2_cache_bytes"] = _l2_cache_bytes(device)
         if benchmark.disabled:
             benchmark(call)  # --benchmark-disable: a smoke run that only checks the benchmark executes
             return
@@ -155,11 +267,11 @@ def timed(benchmark, copy_bandwidth):
             torch.cuda.reset_peak_memory_stats(device)
         benchmark.pedantic(call, rounds=rounds, iterations=1, warmup_rounds=0)
         median = benchmark.stats.stats.median
-        benchmark.extra_info["bytes_per_second"] = bytes_moved / median
+        benchmark.extra_info["bytes_per_second"] = cost.bytes / median
+        benchmark.extra_info["flops_per_second"] = cost.flops / median
         if device.type == "cuda":
             benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-            benchmark.extra_info["copy_bytes_per_second"] = copy_bandwidth
-            benchmark.extra_info["roofline_fraction"] = bytes_moved / median / copy_bandwidth
+            benchmark.extra_info["roofline_fraction"] = benchmark.extra_info["roofline_seconds"] / median
 
     return run
 
@@ -168,13 +280,14 @@ def timed(benchmark, copy_bandwidth):
 def fwd_bwd(timed):
     """Time ``forward + backward`` of ``fn(h)`` with a fixed upstream gradient.
 
-    Returns ``run(fn, h, *, info, extra_bytes=0, warmup=1)`` where ``fn`` maps the leaf ``h``
-    (``[B, L, D]``, ``requires_grad``) to an output of the same shape, and ``info`` holds the shape
-    parameters to record (``B``, ``L``, ``D`` and anything op-specific such as ``backend``).
+    Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1)`` where ``fn`` maps the leaf ``h``
+    (``requires_grad``) to an output of the same shape, ``info`` holds the shape parameters to record
+    (``B``, ``L``, ``D`` and anything op-specific such as ``backend``), ``cost`` is the op's
+    :class:`~icrl_kernels._cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
+    layer's parameters, as training does).
 
-    One timed call is ``out = fn(h); torch.autograd.grad(out, h, grad_out)`` (see :func:`timed`). Bytes
-    moved are estimated as the minimum traffic of a fused op: read ``h``, write ``out``, read
-    ``grad_out``, write ``grad_h`` (``4 * B * L * D * itemsize``) plus ``extra_bytes`` (e.g. token ids).
+    One timed call is ``out = fn(h); torch.autograd.grad(out, (h, *wrt), grad_out)`` (see :func:`timed`;
+    the roofline uses ``h.dtype``).
     """
 
     def run(
@@ -182,13 +295,14 @@ def fwd_bwd(timed):
         h: torch.Tensor,
         *,
         info: dict[str, Any],
-        extra_bytes: int = 0,
+        cost: OpCost,
+        wrt: Sequence[torch.Tensor] = (),
         warmup: int = 1,
     ) -> None:
         grad_out = torch.randn_like(h)
-        bytes_moved = 4 * h.numel() * h.element_size() + extra_bytes
+        leaves = (h, *wrt)
         info = {**info, "shape": list(h.shape), "dtype": str(h.dtype).removeprefix("torch.")}
-        timed(lambda: torch.autograd.grad(fn(h), h, grad_out), device=h.device, info=info, bytes_moved=bytes_moved,
-              warmup=warmup)  # fmt: skip
+        timed(lambda: torch.autograd.grad(fn(h), leaves, grad_out), device=h.device, info=info, cost=cost,
+              dtype=h.dtype, warmup=warmup)  # fmt: skip
 
     return run

@@ -1,16 +1,53 @@
-"""Turn a pytest-benchmark JSON file into markdown tables of time ratios against the reference.
+"""Turn a pytest-benchmark JSON file into markdown: per op, times, ratios against the targets, roofline.
 
 Usage::
 
     python benchmarks/summarize.py RESULTS.json [-o TABLE.md]
 
-Benchmarks are grouped into sections by the first word of their pytest-benchmark group (for example
-``ngram-fwd-bwd``) and into rows by shape: every ``extra_info`` entry that the ``fwd_bwd`` fixture in
-``benchmarks/conftest.py`` did not add itself, except ``op`` and ``backend``. Each row gives the median
-milliseconds per call of every backend and ``t / t_reference`` (below 1: faster than the dense
-reference); on CUDA also the achieved fraction of the measured copy bandwidth (the roofline). For every
-series of shapes that differ only in ``L``, the crossover is the smallest ``L`` from which a backend
-stays faster than the reference at every longer measured ``L``.
+Reads only the JSON (``extra_info`` recorded by ``benchmarks/conftest.py`` and the bench files), so
+it runs anywhere, without torch. Output:
+
+* a header: device, versions, commit, the measured copy bandwidth and matmul peaks;
+* a summary of every target with a verdict: how many cases pass and which fail;
+* per benchmark section (the first word of the pytest-benchmark group, e.g. ``ngram-fwd-bwd``; the
+  op's name when there is no group), two tables with one row per shape (every ``extra_info`` entry
+  that is not a measurement, a run description or the backend):
+
+  1. the median ms per call of every backend, our implementation first (``ours``: the op's own
+     kernel; where there are several, e.g. the two n-gram algorithms, the faster one, named), then one
+     column per peer: ``peer / ours`` (a speedup: above 1 we are faster) or, for an upper-bound target
+     such as MoA's, ``ours / peer``, with ``pass`` / ``FAIL`` where the target of :data:`OPS` applies
+     to that shape;
+  2. the cost model (bytes moved and FLOPs, from ``icrl_kernels/<op>/cost.py``), the roofline bound
+     ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, our fraction of it
+     (``bound / time``) against the roofline target (time at most 1.5x the bound, i.e. >= 67%), and
+     the peak memory of every backend (CUDA only).
+
+  Sections whose rows vary ``L`` also get crossover lines: per backend, the smallest ``L`` from which
+  it stays faster than ``reference`` at every longer measured ``L``.
+
+The backend of a benchmark is ``extra_info["backend"]`` (``"implementation"`` or ``"variant"`` in JSON
+files written before those keys were made uniform). CPU entries have no roofline (no bandwidth or peak
+is measured there), so a CPU run (e.g. ``-m headline`` as a rehearsal) prints ratios only.
+
+L2: inputs are not rotated between timed calls, so a case whose bytes fit in L2 (50 MB on an H100) can
+beat the copy bandwidth; a fraction above 100% is printed as "L2-resident, not a roofline" (or, when
+the FLOPs bind, "above the measured matmul peak") with no verdict, and cases whose bytes fit in the
+recorded ``l2_cache_bytes`` are marked "(fits L2)".
+
+Headline run (``pytest benchmarks -m headline``): 58 cases on CUDA, of which 53-56 run (the
+materialising InfoNCE baselines skip at A = 1M, Liger wherever ``liger_kernel`` is not installed):
+n-gram 14 (2 shapes x 7 backends), InfoNCE 12, select_actions 4, MoA layer 8, the mixture_of_heads /
+inject_layer_norm / smeared_keys kernels 1 each, looped block 8, model training steps 9. Estimated 4-6
+minutes on an H100, not yet measured (no GPU was available when this was written); the estimate adds
+up: ~70 s of timed calls (``ICRL_BENCH_SECONDS`` = 1 s of rounds per case plus the warm-up and sizing
+calls, ~1.2 s a case); ~2-3 min of ``torch.compile`` (FlexAttention forward + backward and its block
+mask, for one or both n-gram shapes, which differ only in the mask; the InfoNCE baseline at two shapes;
+the looped step with and without autograd: typically 20-40 s each); ~1 min of Triton compilation and
+autotuning (1-2 s per specialisation and config); ~10 s for the A = 1M InfoNCE calls (~2e14 FLOPs,
+0.3-1 s each, about 5 calls per backend); ~20 s of start-up, collection and the ceilings (1 GiB copy,
+8192^3 matmuls). Slow compiles could push it to ~7 min. On a CPU smoke run ``-m headline`` selects 50
+cases (36 run, ~45 s with ``TRITON_INTERPRET=1`` and ``ICRL_BENCH_SECONDS=0.001`` on a 2-core VM).
 """
 
 from __future__ import annotations
@@ -18,30 +55,323 @@ from __future__ import annotations
 import argparse
 import json
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REFERENCE = "reference"
 
+#: ``extra_info`` keys that name the backend, newest first (older JSON files used the later ones).
+BACKEND_KEYS = ("backend", "implementation", "variant")
+
 # extra_info entries that describe the run or the measurement rather than the shape.
 NOT_SHAPE = {
     "op",
-    "backend",
+    *BACKEND_KEYS,
     "shape",
     "device",
+    "device_type",
     "torch",
     "triton",
     "bytes_moved",
+    "flops",
     "bytes_per_second",
+    "flops_per_second",
     "peak_memory_bytes",
     "copy_bytes_per_second",
+    "matmul_flops_per_second",
+    "matmul_flops_per_second_fp32",
+    "roofline_flops_per_second",
+    "roofline_seconds",
+    "roofline_bound",
     "roofline_fraction",
+    "l2_cache_bytes",
+    "steps_per_second",
+    "env_steps_per_second",
+    "transitions",
+    "transitions_per_second",
+    "index_build_seconds",
 }
 
-BACKEND_ORDER = ["reference", "eager", "triton-sort", "triton-tiled", "flex"]
+#: The roofline target of every op: measured time at most this many times the roofline bound.
+ROOFLINE_MAX_SLOWDOWN = 1.5
 
 
-def _backend_sort_key(name: str) -> tuple[int, str]:
-    return (BACKEND_ORDER.index(name) if name in BACKEND_ORDER else len(BACKEND_ORDER), name)
+@dataclass(frozen=True)
+class Target:
+    """A peer ratio target. ``kind="speedup"``: ``t_peer / t_ours >= threshold``; ``kind="at_most"``:
+    ``t_ours / t_peer <= threshold``. It applies to the rows whose shape fields satisfy ``when``."""
+
+    peer: str
+    kind: str
+    threshold: float
+    when: Callable[[dict], bool] = lambda fields: True
+    when_text: str = ""
+
+    def label(self) -> str:
+        where = f" at {self.when_text}" if self.when_text else ""
+        if self.kind == "speedup":
+            return f"{self.peer} / ours (target >= {self.threshold:g}x{where})"
+        return f"ours / {self.peer} (target <= {self.threshold:g}{where})"
+
+    def ratio(self, ours: float, peer: float) -> float:
+        return peer / ours if self.kind == "speedup" else ours / peer
+
+    def passed(self, ratio: float) -> bool:
+        return ratio >= self.threshold if self.kind == "speedup" else ratio <= self.threshold
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """How to read one op's benchmarks: our backend(s) per device type, the peers, the targets."""
+
+    title: str
+    ours: dict[str, tuple[str, ...]]
+    targets: tuple[Target, ...] = ()
+    peers: tuple[str, ...] = ()
+    roofline_target: bool = True
+
+    def candidates(self, device_type: str) -> tuple[str, ...]:
+        return self.ours.get(device_type) or self.ours.get("cpu", ())
+
+
+def _field_at_least(name: str, value: float) -> Callable[[dict], bool]:
+    return lambda fields: fields.get(name, 0) >= value
+
+
+# The targets of DESIGN.md section 5 and the GPU bring-up issue, per op. Speedups are t_peer / t_ours.
+# On the CPU our implementation is the eager one that backend="auto" runs there (the Triton kernels
+# only run under the interpreter); where a CPU run measured only the kernel, that is ours.
+_KERNEL_OURS = {"cuda": ("triton",), "cpu": ("eager", "triton")}
+OPS: dict[str, OpSpec] = {
+    "ngram_attention": OpSpec(
+        "n-gram attention, forward + backward",
+        ours={"cuda": ("triton-sort", "triton-tiled"), "cpu": ("eager", "triton-sort", "triton-tiled")},
+        targets=(
+            Target(REFERENCE, "speedup", 10, _field_at_least("L", 4096), "L >= 4096"),
+            Target("reference-tf32", "speedup", 10, _field_at_least("L", 4096), "L >= 4096"),
+            Target("flex", "speedup", 1, _field_at_least("vocab", 10_000), "vocab >= 10^4"),
+            Target("flex+mask", "speedup", 1, _field_at_least("vocab", 10_000), "vocab >= 10^4"),
+        ),
+    ),
+    "infonce_loss": OpSpec(
+        "InfoNCE, forward + backward",
+        ours={"cuda": ("fused",), "cpu": ("fused",)},
+        targets=(
+            Target(REFERENCE, "speedup", 3, _field_at_least("A", 4096), "A >= 4096"),
+            Target("compile", "speedup", 1.5, _field_at_least("A", 4096), "A >= 4096"),
+            Target("liger", "speedup", 1, _field_at_least("A", 1_000_000), "A = 1M"),
+        ),
+    ),
+    "select_actions": OpSpec(
+        "select_actions (no gradient)",
+        ours={"cuda": ("fused-sample",), "cpu": ("fused-sample",)},
+        peers=(REFERENCE, "fused-argmax", "argmax"),
+    ),
+    "moa_attention": OpSpec(
+        "MoA attention layer, forward + backward",
+        ours=_KERNEL_OURS,
+        targets=(Target("ungated", "at_most", 1.1),),
+        peers=("eager", REFERENCE),
+    ),
+    "mixture_of_heads": OpSpec("mixture_of_heads op, forward + backward", ours=_KERNEL_OURS),
+    "inject_layer_norm": OpSpec("inject_layer_norm, forward + backward", ours=_KERNEL_OURS),
+    "smeared_keys": OpSpec("smeared_keys, forward + backward", ours=_KERNEL_OURS),
+    "looped_block_train": OpSpec(
+        "looped block, training step",
+        ours={"cuda": ("fused-graph", "fused"), "cpu": ("fused",)},
+        targets=(Target("eager", "speedup", 3),),
+    ),
+    "looped_block_inference": OpSpec(
+        "looped block, inference loops",
+        ours={"cuda": ("fused-graph", "fused"), "cpu": ("fused",)},
+        targets=(Target("eager", "speedup", 5, _field_at_least("loops", 500), "500 loops"),),
+    ),
+    "ad_train_step": OpSpec(
+        "AD / N-Gram AD / Headless-AD training step",
+        ours={"cpu": ("auto",)},
+        peers=(REFERENCE,),
+        roofline_target=False,
+    ),
+    "dt_moa_train_step": OpSpec(
+        "DT with MoA training step",
+        ours={"cpu": ("moa",)},
+        peers=("moa-reference", "ungated"),
+        roofline_target=False,
+    ),
+    "ad_eval_step": OpSpec(
+        "AD in-context evaluation step", ours={"cpu": ("incremental",)}, peers=("recompute",), roofline_target=False
+    ),
+}
+
+
+@dataclass
+class Row:
+    """One shape of one section: the benchmark entry of every backend measured there."""
+
+    fields: dict
+    entries: dict[str, dict] = field(default_factory=dict)
+
+    def median(self, backend: str) -> float | None:
+        entry = self.entries.get(backend)
+        return None if entry is None else entry["stats"]["median"]
+
+    def info(self, backend: str) -> dict:
+        return self.entries.get(backend, {}).get("extra_info", {})
+
+    @property
+    def device_type(self) -> str:
+        infos = [entry["extra_info"] for entry in self.entries.values()]
+        for info in infos:
+            if "device_type" in info:
+                return info["device_type"]
+        return "cuda" if any("copy_bytes_per_second" in info for info in infos) else "cpu"
+
+    def any_info(self, key: str):
+        return next((e["extra_info"][key] for e in self.entries.values() if e["extra_info"].get(key) is not None), None)
+
+
+@dataclass
+class Section:
+    name: str
+    op: str | None
+    rows: dict[tuple, Row] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> OpSpec | None:
+        return OPS.get(self.op)
+
+    def backends(self) -> list[str]:
+        return sorted({b for row in self.rows.values() for b in row.entries}, key=self._backend_order)
+
+    def _backend_order(self, name: str) -> tuple[int, str]:
+        spec = self.spec
+        order = [] if spec is None else [*spec.ours.get("cuda", ()), *spec.ours.get("cpu", ())]
+        if spec is not None:
+            order += [t.peer for t in spec.targets] + list(spec.peers)
+        order += [REFERENCE]
+        return (order.index(name) if name in order else len(order), name)
+
+    def ours(self, row: Row) -> str | None:
+        """Our backend in ``row``: the fastest measured of the spec's candidates for the row's device
+        (e.g. whichever n-gram algorithm wins at that length, as ``algorithm="auto"`` should pick)."""
+        if self.spec is None:
+            return None
+        measured = [b for b in self.spec.candidates(row.device_type) if row.median(b) is not None]
+        return min(measured, key=row.median) if measured else None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one target on one row: ``value`` is the ratio (or roofline fraction)."""
+
+    section: str
+    op: str
+    target: str
+    shape: str
+    value: float
+    passed: bool
+
+
+def load(path: Path) -> dict:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def backend_of(bench: dict) -> str:
+    info = bench.get("extra_info", {})
+    return next((str(info[key]) for key in BACKEND_KEYS if key in info), "-")
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def sections(data: dict) -> dict[str, Section]:
+    """Benchmarks grouped into sections (group's first word) and rows (shape fields); sections in the
+    order of :data:`OPS`, then the others by name."""
+    result: dict[str, Section] = {}
+    for bench in data["benchmarks"]:
+        if not bench.get("stats"):
+            continue  # --benchmark-disable: nothing was timed
+        info = bench.get("extra_info", {})
+        group = bench.get("group")
+        name = group.split(" ")[0] if group else info.get("op") or bench["name"].split("[")[0]
+        section = result.setdefault(name, Section(name, info.get("op")))
+        fields = {k: v for k, v in info.items() if k not in NOT_SHAPE}
+        key = tuple((k, _hashable(v)) for k, v in fields.items())
+        section.rows.setdefault(key, Row(fields)).entries[backend_of(bench)] = bench
+    order = list(OPS)
+    return dict(
+        sorted(
+            result.items(), key=lambda item: (order.index(item[1].op) if item[1].op in order else len(order), item[0])
+        )
+    )
+
+
+def roofline_fraction(info: dict, median: float) -> float | None:
+    """``bound / time`` from the recorded bytes, FLOPs and ceilings (``None`` on CPU entries)."""
+    bound = roofline_seconds(info)
+    return None if bound is None else bound / median
+
+
+def roofline_seconds(info: dict) -> float | None:
+    bandwidth = info.get("copy_bytes_per_second")
+    if not bandwidth or "bytes_moved" not in info:
+        return None
+    peak = info.get("roofline_flops_per_second") or info.get("matmul_flops_per_second")
+    compute = info.get("flops", 0) / peak if peak else 0.0
+    return max(info["bytes_moved"] / bandwidth, compute)
+
+
+def roofline_term(info: dict) -> str | None:
+    if "roofline_bound" in info:
+        return info["roofline_bound"]
+    bandwidth = info.get("copy_bytes_per_second")
+    peak = info.get("roofline_flops_per_second") or info.get("matmul_flops_per_second")
+    if not bandwidth or "bytes_moved" not in info:
+        return None
+    return "flops" if peak and info.get("flops", 0) / peak > info["bytes_moved"] / bandwidth else "bytes"
+
+
+def _shape_text(row: Row) -> str:
+    return ", ".join(f"{k}={v}" for k, v in row.fields.items())
+
+
+def judged(row: Row) -> bool:
+    """Targets are GPU targets (DESIGN.md section 5): CPU rows (smoke runs, rehearsals) get ratios only."""
+    return row.device_type == "cuda"
+
+
+def evaluate(section: Section) -> list[Verdict]:
+    """Every target's verdict on every CUDA row of ``section`` where it applies and both sides were measured."""
+    spec = section.spec
+    if spec is None:
+        return []
+    verdicts = []
+    for row in section.rows.values():
+        ours = section.ours(row)
+        if ours is None or not judged(row):
+            continue
+        t_ours = row.median(ours)
+        for target in spec.targets:
+            t_peer = row.median(target.peer)
+            if t_peer is None or not target.when(row.fields):
+                continue
+            ratio = target.ratio(t_ours, t_peer)
+            verdicts.append(Verdict(section.name, section.op, target.label(), _shape_text(row), ratio,
+                                    target.passed(ratio)))  # fmt: skip
+        fraction = roofline_fraction(row.info(ours), t_ours) if spec.roofline_target else None
+        if fraction is not None and fraction <= 1:  # above 1: not a roofline measurement (L2), no verdict
+            verdicts.append(Verdict(section.name, section.op, ROOFLINE_LABEL, _shape_text(row), fraction,
+                                    fraction >= 1 / ROOFLINE_MAX_SLOWDOWN))  # fmt: skip
+    return verdicts
+
+
+ROOFLINE_LABEL = f"roofline (time <= {ROOFLINE_MAX_SLOWDOWN:g}x bound, i.e. >= {100 / ROOFLINE_MAX_SLOWDOWN:.0f}%)"
+
+
+# -- formatting ------------------------------------------------------------------------------------
 
 
 def _fmt_ms(seconds: float | None) -> str:
@@ -54,70 +384,186 @@ def _fmt_ms(seconds: float | None) -> str:
 def _fmt_ratio(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value:.0f}" if value >= 100 else f"{value:.2f}"
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
 
 
-def load(path: Path) -> dict:
-    with open(path) as handle:
-        return json.load(handle)
+def _fmt_si(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _fmt_memory(value: float | None) -> str:
+    if not value:
+        return "-"
+    return f"{value / 2**30:.3g} GiB" if value >= 2**30 else f"{value / 2**20:.3g} MiB"
+
+
+def _fmt_value(verdict: Verdict) -> str:
+    return f"{100 * verdict.value:.0f}%" if verdict.target == ROOFLINE_LABEL else _fmt_ratio(verdict.value)
+
+
+def _fmt_verdict(passed: bool) -> str:
+    return "pass" if passed else "**FAIL**"
+
+
+def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in rows]
+
+
+def roofline_cell(info: dict, median: float) -> tuple[str, bool | None]:
+    """Our roofline fraction as text, and its verdict (``None`` when there is none)."""
+    fraction = roofline_fraction(info, median)
+    if fraction is None:
+        return "-", None
+    percent = f"{100 * fraction:.0f}%"
+    if fraction > 1:
+        if roofline_term(info) == "flops":
+            return f"above the measured matmul peak ({percent})", None
+        return f"L2-resident, not a roofline ({percent})", None
+    l2 = info.get("l2_cache_bytes")
+    note = " (fits L2)" if l2 and info.get("bytes_moved", l2) < l2 else ""
+    passed = fraction >= 1 / ROOFLINE_MAX_SLOWDOWN
+    return f"{percent}{note} {_fmt_verdict(passed)}", passed
 
 
 def header(data: dict) -> list[str]:
-    """Device, library versions, commit and date of the run."""
-    infos = [bench["extra_info"] for bench in data["benchmarks"]]
-    devices = sorted({info.get("device", "?") for info in infos})
-    torch_versions = sorted({info.get("torch", "?") for info in infos})
-    triton_versions = sorted({info.get("triton", "?") for info in infos})
+    """Device, library versions, commit, date and measured ceilings of the run."""
+    infos = [bench.get("extra_info", {}) for bench in data["benchmarks"]]
+
+    def values(key: str) -> str:
+        return ", ".join(sorted({str(info[key]) for info in infos if key in info})) or "?"
+
     commit = data.get("commit_info", {})
     commit_id = (commit.get("id") or "?")[:7] + (" (uncommitted changes)" if commit.get("dirty") else "")
-    return [
-        f"- device: {', '.join(devices)}",
-        f"- torch {', '.join(torch_versions)}; triton {', '.join(triton_versions)}",
+    lines = [
+        f"- device: {values('device')}",
+        f"- torch {values('torch')}; triton {values('triton')}",
         f"- commit {commit_id}; run {data.get('datetime', '?')}",
-        "- times: median ms per forward + backward call; ratio: t / t_reference (below 1: faster)",
     ]
-
-
-def section_tables(data: dict) -> list[str]:
-    """One markdown table, plus crossover lines, per benchmark section."""
-    # section -> shape key (tuple of (name, value)) -> backend -> benchmark entry
-    sections: dict[str, dict[tuple, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
-    for bench in data["benchmarks"]:
-        info = bench["extra_info"]
-        section = (bench.get("group") or bench["name"]).split(" ")[0]
-        shape = tuple((k, v) for k, v in info.items() if k not in NOT_SHAPE)
-        sections[section][shape][info.get("backend", bench["name"])] = bench
-
-    lines: list[str] = []
-    for section, rows in sections.items():
-        backends = sorted({b for by_backend in rows.values() for b in by_backend}, key=_backend_sort_key)
-        others = [b for b in backends if b != REFERENCE]
-        has_reference = REFERENCE in backends
-        roofline = [
-            b for b in others if any("roofline_fraction" in r.get(b, {}).get("extra_info", {}) for r in rows.values())
-        ]
-        shape_names = [name for name, _ in next(iter(rows))]
-        columns = shape_names + [f"{b} ms" for b in backends]
-        if has_reference:
-            columns += [f"{b} / ref" for b in others]
-        columns += [f"{b} % copy BW" for b in roofline]
-
-        lines += [f"### {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        for shape, by_backend in rows.items():
-            median = {b: by_backend[b]["stats"]["median"] for b in by_backend}
-            cells = [str(value) for _, value in shape]
-            cells += [_fmt_ms(median.get(b)) for b in backends]
-            if has_reference:
-                ref = median.get(REFERENCE)
-                cells += [_fmt_ratio(median[b] / ref if ref and b in median else None) for b in others]
-            for b in roofline:
-                fraction = by_backend.get(b, {}).get("extra_info", {}).get("roofline_fraction")
-                cells.append("-" if fraction is None else f"{100 * fraction:.0f}%")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        if has_reference:
-            lines += crossovers(rows, others)
+    ceilings = next((info for info in infos if info.get("copy_bytes_per_second")), None)
+    if ceilings is not None:
+        peaks = [f"bf16 {_fmt_si(ceilings.get('matmul_flops_per_second'), 'FLOP/s')}"]
+        if ceilings.get("matmul_flops_per_second_fp32"):
+            peaks.append(f"fp32 {_fmt_si(ceilings['matmul_flops_per_second_fp32'], 'FLOP/s')}")
+        lines.append(
+            f"- measured ceilings: copy {_fmt_si(ceilings['copy_bytes_per_second'], 'B/s')} (read + write), "
+            f"matmul {', '.join(peaks)}; L2 {_fmt_si(ceilings.get('l2_cache_bytes'), 'B')}"
+        )
+    lines.append(
+        "- times: median ms per call (forward + backward where the op has one); ratios `peer / ours` are "
+        "speedups (above 1: ours is faster); roofline: bound / time, the bound being max(bytes / copy "
+        "bandwidth, FLOPs / matmul peak of the op's dtype); pass / FAIL: the op's targets, judged on CUDA "
+        "rows only"
+    )
     return lines
+
+
+def target_summary(all_sections: dict[str, Section]) -> list[str]:
+    """One line per (section, target): how many rows pass, and which fail."""
+    counts: dict[tuple[str, str], list[Verdict]] = defaultdict(list)
+    for section in all_sections.values():
+        for verdict in evaluate(section):
+            counts[(section.name, verdict.target)].append(verdict)
+    if not counts:
+        return ["- targets: no verdicts (no CUDA row measured both sides of a target)", ""]
+    rows = []
+    for (name, target), verdicts in counts.items():
+        failed = [v for v in verdicts if not v.passed]
+        failing = "; ".join(f"{v.shape} ({_fmt_value(v)})" for v in failed) or "-"
+        rows.append([name, target, str(len(verdicts) - len(failed)), str(len(failed)), failing])
+    return ["## Targets", ""] + _table(["section", "target", "pass", "fail", "failing cases"], rows) + [""]
+
+
+def section_tables(section: Section) -> list[str]:
+    """The times/targets table, the cost/roofline table and the crossover lines of one section."""
+    spec = section.spec
+    backends = section.backends()
+    rows = list(section.rows.values())
+    shape_names = list(rows[0].fields)
+    for row in rows[1:]:
+        shape_names += [name for name in row.fields if name not in shape_names]
+    title = f"{spec.title} (`{section.name}`)" if spec else section.name
+    lines = [f"### {title}", ""]
+
+    ours_of = {id(row): section.ours(row) for row in rows}
+    several_ours = spec is not None and any(len(spec.candidates(row.device_type)) > 1 for row in rows)
+    if spec is not None:
+        ours_names = {b for row in rows for b in spec.candidates(row.device_type)}
+        targets = {t.peer: t for t in spec.targets}
+        peers = [b for b in backends if b not in ours_names]
+    else:
+        targets, peers = {}, [b for b in backends if b != REFERENCE] if REFERENCE in backends else []
+
+    columns = shape_names + [f"{b} ms" for b in backends] + (["ours"] if several_ours else [])
+    if spec is not None:
+        columns += [targets[p].label() if p in targets else f"{p} / ours" for p in peers]
+    else:
+        columns += [f"{p} / reference" for p in peers]
+    table = []
+    for row in rows:
+        cells = [str(row.fields.get(name, "-")) for name in shape_names]
+        cells += [_fmt_ms(row.median(b)) for b in backends]
+        ours = ours_of[id(row)]
+        if several_ours:
+            cells.append(ours or "-")
+        for peer in peers:
+            if spec is None:
+                ref = row.median(REFERENCE)
+                cells.append(_fmt_ratio(row.median(peer) / ref if ref and row.median(peer) else None))
+                continue
+            t_ours, t_peer = (row.median(ours) if ours else None), row.median(peer)
+            if t_ours is None or t_peer is None:
+                cells.append("-")
+                continue
+            target = targets.get(peer)
+            if target is None:
+                cells.append(f"{_fmt_ratio(t_peer / t_ours)}x")
+                continue
+            ratio = target.ratio(t_ours, t_peer)
+            text = f"{_fmt_ratio(ratio)}x" if target.kind == "speedup" else _fmt_ratio(ratio)
+            if target.when(row.fields) and judged(row):
+                text += f" {_fmt_verdict(target.passed(ratio))}"
+            cells.append(text)
+        table.append(cells)
+    lines += _table(columns, table) + [""]
+
+    if any(row.any_info("bytes_moved") is not None for row in rows):
+        lines += cost_table(section, rows, shape_names, backends) + [""]
+    if REFERENCE in backends:
+        others = [b for b in backends if b != REFERENCE]
+        series = {tuple((k, _hashable(v)) for k, v in row.fields.items()): row.entries for row in rows}
+        lines += crossovers(series, others)
+    return lines
+
+
+def cost_table(section: Section, rows: list[Row], shape_names: list[str], backends: list[str]) -> list[str]:
+    """Bytes and FLOPs of the cost model, the roofline bound and our fraction of it, peak memory."""
+    with_memory = [b for b in backends if any(row.info(b).get("peak_memory_bytes") for row in rows)]
+    roofline = section.spec is not None and section.spec.roofline_target
+    columns = shape_names + ["bytes", "FLOPs", "bound", "binds"]
+    columns += ["ours % of roofline (target >= 67%)"] if roofline else []
+    columns += [f"{b} peak mem" for b in with_memory]
+    table = []
+    for row in rows:
+        ours = section.ours(row)
+        info = row.info(ours) if ours else {}
+        info = info or next(iter(row.entries.values()))["extra_info"]
+        bound = roofline_seconds(info)
+        cells = [str(row.fields.get(name, "-")) for name in shape_names]
+        cells += [_fmt_si(info.get("bytes_moved"), "B"), _fmt_si(info.get("flops"), "FLOP")]
+        cells += [f"{_fmt_ms(bound)} ms" if bound is not None else "-", roofline_term(info) or "-"]
+        if roofline:
+            cells.append(roofline_cell(info, row.median(ours))[0] if ours else "-")
+        cells += [_fmt_memory(row.info(b).get("peak_memory_bytes")) for b in with_memory]
+        table.append(cells)
+    return _table(columns, table)
 
 
 def crossovers(rows: dict[tuple, dict[str, dict]], backends: list[str]) -> list[str]:
@@ -160,7 +606,11 @@ def crossovers(rows: dict[tuple, dict[str, dict]], backends: list[str]) -> list[
 
 def summarize(path: Path) -> str:
     data = load(path)
-    return "\n".join(header(data) + [""] + section_tables(data)).rstrip() + "\n"
+    all_sections = sections(data)
+    lines = header(data) + [""] + target_summary(all_sections)
+    for section in all_sections.values():
+        lines += section_tables(section)
+    return "\n".join(lines).rstrip() + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,19 +2,71 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Sequence
 
 import triton
 
 from ._backend import triton_interpreter_enabled
 
+#: Every kernel made by :func:`autotune`, in import order (see :func:`autotuned_kernels`).
+_AUTOTUNED: list = []
+
 
 def autotune(configs: Sequence[triton.Config], key: Sequence[str], **kwargs):
     """``triton.autotune`` that keeps only the first config under the interpreter.
 
     A multi-config autotune needs a GPU to time candidates (it crashes in the interpreter), so the
-    first config must be a sensible default on every device.
+    first config must be a sensible default on every device. The kernel remembers the full list
+    (:func:`autotune_configs`), so that tests can still force each config in turn, and is registered
+    for :func:`autotuned_kernels`.
     """
-    if triton_interpreter_enabled():
-        configs = list(configs)[:1]
-    return triton.autotune(configs=list(configs), key=list(key), **kwargs)
+    configs = list(configs)
+    tuned = configs[:1] if triton_interpreter_enabled() else list(configs)
+    decorate = triton.autotune(configs=tuned, key=list(key), **kwargs)
+
+    def register(fn):
+        kernel = decorate(fn)
+        kernel.all_configs = tuple(configs)
+        _AUTOTUNED.append(kernel)
+        return kernel
+
+    return register
+
+
+def autotune_configs(kernel) -> tuple[triton.Config, ...]:
+    """Every config ``kernel`` was declared with, also under the interpreter (whose autotuner keeps one)."""
+    return kernel.all_configs
+
+
+def kernel_name(kernel) -> str:
+    """Short name of a (possibly autotuned) kernel: ``_ngram_forward_kernel`` -> ``ngram_forward``."""
+    fn = kernel
+    while hasattr(fn, "fn"):  # Autotuner / Heuristics -> JITFunction (-> the Python function)
+        fn = fn.fn
+    return fn.__name__.strip("_").removesuffix("_kernel")
+
+
+def config_name(config: triton.Config) -> str:
+    """Readable id of an autotune config, e.g. ``BLOCK_L64-BLOCK_D64-w4`` (``-s2`` where the stages are not
+    Triton's default 3)."""
+    parts = [f"{name}{value}" for name, value in config.kwargs.items()] + [f"w{config.num_warps}"]
+    if config.num_stages != 3:
+        parts.append(f"s{config.num_stages}")
+    return "-".join(parts)
+
+
+def autotuned_kernels() -> list:
+    """Every kernel of the package declared with :func:`autotune`.
+
+    Kernel modules are imported lazily by the ops, so this first imports every ``icrl_kernels`` module
+    whose name ends in ``kernels`` (``ngram.kernels``, ``ngram.tiled_kernels``, ...): a new autotuned
+    kernel is found without being listed anywhere.
+    """
+    import icrl_kernels
+
+    for module in pkgutil.walk_packages(icrl_kernels.__path__, prefix="icrl_kernels."):
+        if module.name.rsplit(".", 1)[-1].endswith("kernels"):
+            importlib.import_module(module.name)
+    return list(_AUTOTUNED)

@@ -7,7 +7,8 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -103,12 +104,39 @@ def fast_impls() -> list[str]:
     return ["eager"] + (["triton"] if triton_devices() else [])
 
 
+# --- forcing one autotune config ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def forced_config(kernel, config) -> Iterator[None]:
+    """Within the block, the autotuned ``kernel`` launches with ``config`` only (no timing, no cached pick).
+
+    Works on a GPU and under the interpreter, whose autotuner keeps only the first config: any config of
+    :func:`icrl_kernels._triton.autotune_configs` can be forced. The kernel's configs and its tuning cache
+    are restored afterwards, even if the block raises.
+    """
+    saved_configs, saved_cache = kernel.configs, dict(kernel.cache)
+    kernel.configs = [config]  # a single config is launched as is (Autotuner.run skips the cache)
+    kernel.cache.clear()
+    try:
+        yield
+    finally:
+        kernel.configs = saved_configs
+        kernel.cache.clear()
+        kernel.cache.update(saved_cache)
+
+
 # --- compiled (non-interpreter) kernels without a GPU ---------------------------------------------
 #
 # The CPU interpreter accepts code the real compiler rejects (and the reverse), so every op's tests
 # also compile its kernels for an H100 (sm_90) in a subprocess without ``TRITON_INTERPRET``:
 #
-#     reports = run_offline_compile("from icrl_kernels.testing import ...; print(json.dumps(...))")
+#     reports = run_offline_compile("from icrl_kernels.testing import ...; compile_offline(jobs)")
+#     check_offline_reports(reports, {"_my_forward_kernel", ...})
+#
+# Autotuned kernels are compiled in every config (:func:`config_jobs`): the autotuner may pick any of
+# them on some GPU and shape, so a config that fails to compile or spills is a bug even if the
+# interpreter's first config is fine.
 
 
 def _unwrap_jit(kernel):
@@ -129,6 +157,23 @@ def _specialise(value) -> tuple[str, bool]:
     if isinstance(value, float):
         return "fp32", False
     raise TypeError(f"signature values are Triton type strings or sample ints/floats, got {value!r}")
+
+
+def _specialisation(fn, signature: Mapping[str, object], constexprs: Mapping[str, object]) -> tuple[dict, dict, dict]:
+    """``(types, constexprs, attrs)`` of an ``ASTSource`` for the ``JITFunction`` ``fn`` (see
+    :func:`compile_for_gpu_offline`): what a launch with these arguments would compile."""
+    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
+    types, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name not in constexprs and name not in signature:
+            raise KeyError(f"{fn.__name__}: no signature entry or constexpr for argument {name!r}")
+        value = constexprs.get(name, signature.get(name))
+        if name in constexprs or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+            types[name], constexprs[name] = "constexpr", value
+            continue
+        types[name], divisible = _specialise(value)
+        attrs[(index,)] = [["tt.divisibility", 16]] if divisible else []
+    return types, constexprs, attrs
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -170,17 +215,7 @@ def compile_for_gpu_offline(
     from triton.compiler import ASTSource
 
     fn = _unwrap_jit(kernel)
-    constexprs = {name: value for name, value in constexprs.items() if name in fn.arg_names}
-    types, attrs = {}, {}
-    for index, name in enumerate(fn.arg_names):
-        if name not in constexprs and name not in signature:
-            raise KeyError(f"{fn.__name__}: no signature entry or constexpr for argument {name!r}")
-        value = constexprs.get(name, signature.get(name))
-        if name in constexprs or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
-            types[name], constexprs[name] = "constexpr", value
-            continue
-        types[name], divisible = _specialise(value)
-        attrs[(index,)] = [["tt.divisibility", 16]] if divisible else []
+    types, constexprs, attrs = _specialisation(fn, signature, constexprs)
     compiled = triton.compile(
         ASTSource(fn, types, constexprs, attrs),
         target=GPUTarget("cuda", arch, 32),
@@ -189,29 +224,71 @@ def compile_for_gpu_offline(
     return {"name": fn.__name__, **_resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
 
 
-def configs_to_compile(kernel, dtypes: tuple[str, str] = ("bf16", "fp32")) -> list[tuple]:
-    """``(autotune config, dtype)`` pairs of ``kernel`` worth compiling offline: the first config (the
-    interpreter's) in ``dtypes[0]`` and the largest tile (the most registers and shared memory) in
-    ``dtypes[1]``; every config in every dtype when ``ICRL_COMPILE_ALL_CONFIGS=1`` (slow: ~1 s a compile)."""
-    configs = list(kernel.configs)
-    if os.environ.get("ICRL_COMPILE_ALL_CONFIGS") == "1":
-        return [(config, dtype) for config in configs for dtype in dtypes]
+class CompileJob(NamedTuple):
+    """One :func:`compile_for_gpu_offline` call; ``info`` (dtype, shape, ...) is copied into its report."""
 
-    def size(config) -> tuple[int, int]:
-        tile = 1
-        for value in config.kwargs.values():
-            tile *= value
-        return tile, config.num_warps
-
-    return [(configs[0], dtypes[0]), (max(configs, key=size), dtypes[1])]
+    kernel: object
+    signature: Mapping[str, object]
+    constexprs: Mapping[str, object]
+    num_warps: int = 4
+    num_stages: int = 3
+    info: Mapping[str, object] = {}
 
 
-def compile_config(kernel, config, signature: Mapping[str, object], constexprs: Mapping[str, object]) -> dict:
-    """:func:`compile_for_gpu_offline` with an autotune ``config``'s block sizes and warps, named in the report."""
+def config_jobs(
+    kernel, signature: Mapping[str, object], constexprs: Mapping[str, object], **info: object
+) -> list[CompileJob]:
+    """One :class:`CompileJob` per autotune config of ``kernel`` (its block sizes, warps and stages on top
+    of ``constexprs``), each report naming its config as :func:`icrl_kernels._triton.config_name` does."""
+    from ._triton import autotune_configs, config_name
+
+    return [
+        CompileJob(kernel, signature, {**constexprs, **config.kwargs}, config.num_warps, config.num_stages,
+                   {"config": config_name(config), **info})
+        for config in autotune_configs(kernel)
+    ]  # fmt: skip
+
+
+#: Jobs of :func:`compile_offline`, inherited by its forked workers (kernels do not pickle).
+_JOBS: list[CompileJob] = []
+
+
+def _compile_job(index: int) -> dict:
+    job = _JOBS[index]
     report = compile_for_gpu_offline(
-        kernel, signature, {**constexprs, **config.kwargs}, num_warps=config.num_warps, num_stages=config.num_stages
+        job.kernel, job.signature, job.constexprs, num_warps=job.num_warps, num_stages=job.num_stages
     )
-    return {**report, "config": {**config.kwargs, "num_warps": config.num_warps}}
+    return {"name": report["name"], **job.info, **{key: value for key, value in report.items() if key != "name"}}
+
+
+def compile_offline(jobs: Sequence[CompileJob], *, processes: int | None = None) -> None:
+    """Run :func:`compile_for_gpu_offline` for every job and print one JSON report a line, in job order (for
+    :func:`run_offline_compile`). Jobs that would compile the same specialisation (e.g. two widths that
+    are both multiples of 16) are compiled once; the others are spread over ``processes`` forked workers
+    (default: one per CPU this process may use), since ptxas is single-threaded and a cold compile of a
+    large tile takes seconds."""
+    import json
+    import multiprocessing
+
+    keys = []
+    for job in jobs:
+        fn = _unwrap_jit(job.kernel)
+        types, constexprs, attrs = _specialisation(fn, job.signature, job.constexprs)
+        keys.append(repr((fn.__name__, types, sorted(constexprs.items()), attrs, job.num_warps, job.num_stages)))
+    first = {key: index for index, key in reversed(list(enumerate(keys)))}  # key -> first job with it
+    unique = sorted(set(first.values()))
+    _JOBS[:] = jobs
+    if processes is None:
+        processes = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    processes = max(1, min(processes, len(unique)))
+    if processes > 1 and "fork" in multiprocessing.get_all_start_methods():
+        with multiprocessing.get_context("fork").Pool(processes) as pool:
+            results = dict(zip(unique, pool.map(_compile_job, unique, chunksize=1)))
+    else:
+        results = {index: _compile_job(index) for index in unique}
+    for job, key in zip(jobs, keys):
+        report = results[first[key]]
+        print(json.dumps({**report, **job.info}))  # a duplicate keeps its own info (its shape)
 
 
 def offline_compilation_unavailable(arch: int = 90) -> str | None:
@@ -229,11 +306,16 @@ def offline_compilation_unavailable(arch: int = 90) -> str | None:
     return None
 
 
-def run_offline_compile(code: str, *, arch: int = 90, timeout: float = 300) -> list[dict]:
+#: Report fields printed first, in this order; the rest follow (shapes, flags).
+_REPORT_COLUMNS = ("name", "config", "dtype", "registers", "stack", "shared")
+
+
+def run_offline_compile(code: str, *, arch: int = 90, timeout: float = 600) -> list[dict]:
     """Run ``code`` in a fresh Python without ``TRITON_INTERPRET`` and return the JSON objects it prints,
-    one a line (e.g. :func:`compile_for_gpu_offline` reports); fail with its stderr if it fails. Skips the
-    calling test, with the reason, where offline compilation is unavailable. One subprocess per test file
-    keeps the import cost (a few seconds) to one."""
+    one a line (e.g. :func:`compile_offline` reports); fail with its stderr if it fails. Skips the calling
+    test, with the reason, where offline compilation is unavailable. One subprocess per test file keeps
+    the import cost (a few seconds) to one. Each report is printed as a line of ``key=value`` (shown by
+    ``pytest -s`` / ``-rP``): registers and stack (spill) bytes per thread, shared memory bytes per program."""
     import json
 
     import pytest
@@ -245,28 +327,21 @@ def run_offline_compile(code: str, *, arch: int = 90, timeout: float = 300) -> l
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"offline compilation failed:\n{result.stderr[-4000:]}"
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    for report in reports:  # shown by pytest -s / -rP
-        print(" ".join(f"{key}={value}" for key, value in report.items()))
+    for report in reports:
+        keys = [key for key in _REPORT_COLUMNS if key in report] + [key for key in report if key not in _REPORT_COLUMNS]
+        print(" ".join(f"{key}={report[key]}" for key in keys))
     return reports
 
 
-#: Stack bytes per thread (register spills) above which an offline-compiled kernel fails its test: a few
-#: hundred bytes cost little, kilobytes mean a tile far too large for the register file.
-MAX_SPILL_BYTES = 512
+#: Stack bytes per thread (register spills) above which an offline-compiled kernel fails its test. Every
+#: config counts, since the autotuner may pick any of them: a spill of a few dozen bytes costs little
+#: (ptxas keeps loop-invariant values there), hundreds mean the tile does not fit the register file.
+MAX_SPILL_BYTES = 256
 
 
 def check_offline_reports(reports: list[dict], kernels: set[str], *, max_spill_bytes: int = MAX_SPILL_BYTES) -> None:
-    """Every kernel in ``kernels`` compiled, and none spills more than ``max_spill_bytes`` per thread.
-
-    With ``ICRL_COMPILE_ALL_CONFIGS=1`` heavy spills only warn: the autotuner times every config, so one
-    that spills only loses where another config fits."""
-    import warnings
-
+    """Every kernel in ``kernels`` compiled, and no report (kernel x config x dtype) spills more than
+    ``max_spill_bytes`` per thread."""
     assert {report["name"] for report in reports} == kernels, reports
     heavy = [report for report in reports if report["stack"] > max_spill_bytes]
-    message = f"register spills above {max_spill_bytes} bytes per thread: {heavy}"
-    if os.environ.get("ICRL_COMPILE_ALL_CONFIGS") == "1":
-        if heavy:
-            warnings.warn(message, stacklevel=2)
-        return
-    assert not heavy, message
+    assert not heavy, f"register spills above {max_spill_bytes} bytes per thread: {heavy}"

@@ -1101,46 +1101,51 @@ def test_triton_rejects_float64():
 # --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
 
 _OFFLINE_COMPILE = """
-import json
+import itertools
 from icrl_kernels.contrastive import kernels as k
-from icrl_kernels.testing import compile_config, configs_to_compile
+from icrl_kernels.testing import compile_offline, config_jobs
 
-# DESIGN.md section 5: N = B * T = 6400 rows (B = 32, T = 200), D = 512, A = 4096 actions streamed in
-# tiles, one shared map; bf16 launches with a [B, T, A] mask (and Gumbel sampling), fp32 without.
-T, A, D, ROWS = 200, 4096, 512, 6400
-rows = {"targets_ptr": "*i64", "lse_ptr": "*fp32", "weights_ptr": "*fp32"}
-kernels = {
-    k._infonce_forward_kernel: {"loss_ptr": "*fp32", "lse_ptr": "*fp32", "targets_ptr": "*i64", "ignore_index": -100},
-    k._infonce_grad_pred_kernel: {**rows, "stride_gb": T * D, "stride_gt": D, "BLOCK_DO": k._block_out(D, 256)},
-    k._infonce_grad_embeds_kernel: {**rows, "ROWS_PER_SPLIT": 3200, "NUM_SPLITS": 2, "stride_os": A * D,
-                                    "stride_oa": D, "BLOCK_DO": k._block_out(D, 128)},
-    k._select_actions_kernel: {"out_ptr": "*i64", "seed": 2**61 + 7},
-}
-for kernel, extra in kernels.items():
-    for config, dtype in configs_to_compile(kernel):
-        half, masked = dtype != "fp32", dtype == "bf16"
-        signature = {
-            "pred_ptr": "*" + dtype, "embeds_ptr": "*" + dtype, "mask_ptr": "*u1" if masked else "*" + dtype,
-            "grad_ptr": "*" + dtype, "out_ptr": "*fp32",  # grad_embeds: the row split's fp32 partials
-            "T": T, "A": A, "D": D, "ROWS": ROWS, "tau": 0.5,
-            "stride_pb": T * D, "stride_pt": D, "stride_eg": A * D, "stride_ea": D,
-            "stride_mb": T * A if masked else 0, "stride_mt": A if masked else 0, "stride_ma": 1 if masked else 0,
-            **extra,
-        }
-        block_a = k._block_a(A, half or kernel is k._select_actions_kernel)  # as the wrappers pick
-        constexprs = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "BLOCK_A": block_a,
-                      **{name: value for name, value in extra.items() if name.startswith("BLOCK")}}
-        print(json.dumps({**compile_config(kernel, config, signature, constexprs), "dtype": dtype,
-                          "BLOCK_A": block_a}))
+# benchmarks/bench_infonce.py (DESIGN.md section 5): N = B * T = 6400 rows (B = 32, T = 200), D = 512, one
+# shared map of A = 125 actions (one tile) or A = 4096 (streamed; 125 is not a multiple of 16, which changes
+# the specialisation). Every autotune config in bf16 (tensor-core dots; fp16 takes the same path) and fp32
+# (FMA dots, 16-action tiles), without a mask as benchmarked, and at A = 4096 also with a [B, T, A] mask
+# and Gumbel sampling.
+T, D, ROWS = 200, 512, 6400
+jobs = []
+for (A, masked), dtype in itertools.product([(125, False), (4096, False), (4096, True)], ["bf16", "fp32"]):
+    half = dtype != "fp32"
+    block_a = k._block_a(A, half)  # as the wrappers pick; selection takes 128-action tiles in every dtype
+    block_do = k._block_out(D, 128)  # grad_embeds, with the wrapper's row split (fp32 partials when split)
+    splits = max(1, min(-(-ROWS // 64), k.TARGET_PROGRAMS // (-(-A // block_a) * -(-D // block_do))))
+    signature = {
+        "pred_ptr": "*" + dtype, "embeds_ptr": "*" + dtype, "mask_ptr": "*u1" if masked else "*" + dtype,
+        "targets_ptr": "*i64", "lse_ptr": "*fp32", "weights_ptr": "*fp32", "loss_ptr": "*fp32",
+        "grad_ptr": "*" + dtype, "T": T, "A": A, "D": D, "ROWS": ROWS, "tau": 0.5, "ignore_index": -100,
+        "seed": 2**61 + 7, "ROWS_PER_SPLIT": -(-ROWS // splits), "NUM_SPLITS": splits,
+        "stride_pb": T * D, "stride_pt": D, "stride_eg": A * D, "stride_ea": D,
+        "stride_mb": T * A if masked else 0, "stride_mt": A if masked else 0, "stride_ma": 1 if masked else 0,
+        "stride_gb": T * D, "stride_gt": D, "stride_os": A * D, "stride_oa": D,
+        "out_ptr": "*fp32" if splits > 1 else "*" + dtype,  # grad_embeds; selection's is overridden below
+    }
+    flags = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked}
+    info = {"A": A, "D": D, "mask": masked, "dtype": dtype}
+    jobs += config_jobs(k._infonce_forward_kernel, signature, {**flags, "BLOCK_A": block_a}, **info)
+    jobs += config_jobs(k._infonce_grad_pred_kernel, signature,
+                        {**flags, "BLOCK_A": block_a, "BLOCK_DO": k._block_out(D, 256)}, **info)
+    jobs += config_jobs(k._infonce_grad_embeds_kernel, signature, {**flags, "BLOCK_A": block_a, "BLOCK_DO": block_do},
+                        **info, splits=splits)
+    jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
+                        {**flags, "BLOCK_A": k._block_a(A)}, **info)
+compile_offline(jobs)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile the InfoNCE and selection kernels to sm_90
-    cubins at the DESIGN.md shapes (first autotune config in bf16, largest tile in fp32; every config with
-    ``ICRL_COMPILE_ALL_CONFIGS=1``) and check that none spills heavily (the fp32 backward with 128-action
-    tiles spilled 17-30 KB per thread)."""
+    cubins in every autotune config, in bf16 and fp32, at the benchmark shapes (A = 125 and 4096; masked and
+    sampling at 4096), and check that none spills more than ``MAX_SPILL_BYTES`` per thread (the fp32
+    backward with 128-action tiles spilled 17-30 KB; 64-row backward tiles with 4 warps 1-6 KB)."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
     check_offline_reports(reports, {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
                                     "_infonce_grad_embeds_kernel", "_select_actions_kernel"})  # fmt: skip

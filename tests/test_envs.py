@@ -9,10 +9,8 @@ from __future__ import annotations
 import collections
 import warnings
 
-import gymnasium
 import numpy as np
 import pytest
-from gymnasium.utils.env_checker import check_env
 
 from icrl_models.envs import (
     ACTION_SET_NAMES,
@@ -32,6 +30,14 @@ from icrl_models.envs import (
     grid_task_split,
     task_split,
 )
+
+try:  # optional: the single-environment tests at the end skip without it (e.g. on the GPU image)
+    import gymnasium
+    from gymnasium.utils.env_checker import check_env
+except ImportError:
+    gymnasium = None
+
+requires_gymnasium = pytest.mark.skipif(gymnasium is None, reason="gymnasium is not installed (pip install gymnasium)")
 
 SIZE = 9
 CELLS = SIZE * SIZE
@@ -958,6 +964,7 @@ def test_action_name_rejects_out_of_range_ids():
 # =================================================================================================
 
 
+@requires_gymnasium
 @pytest.mark.parametrize("env_id", sorted(GYM_IDS))
 def test_gymnasium_make_and_check_env(env_id):
     env = gymnasium.make(env_id)
@@ -971,11 +978,13 @@ def test_gymnasium_make_and_check_env(env_id):
     env.close()
 
 
+@requires_gymnasium
 def test_gymnasium_make_with_module_prefix():
     env = gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0", goal=10)
     assert env.unwrapped.batched.goals.tolist() == [10]
 
 
+@requires_gymnasium
 def test_gymnasium_dark_room_episode_matches_batched():
     rng = np.random.default_rng(21)
     goal = cell(3, 5)
@@ -1003,6 +1012,7 @@ def test_gymnasium_dark_room_episode_matches_batched():
     assert rewards == [0.0, 1.0, 1.0]
 
 
+@requires_gymnasium
 def test_gymnasium_key_to_door_seeded_reset():
     env = gymnasium.make("icrl/KeyToDoor-v0", key=0, door=80, episode_length=40)
     starts = {}
@@ -1016,6 +1026,7 @@ def test_gymnasium_key_to_door_seeded_reset():
     env.close()
 
 
+@requires_gymnasium
 def test_gymnasium_composite_local_action_indices():
     split = composite_action_sets(3)
     goal = cell(2, 5)
@@ -1052,6 +1063,7 @@ def test_gymnasium_composite_local_action_indices():
         gymnasium.make("icrl/DarkRoomComposite-v0", action_set="bogus")
 
 
+@requires_gymnasium
 def test_single_env_requires_one_env_and_bandit_gym():
     with pytest.raises(ValueError, match="num_envs == 1"):
         SingleEnv(DarkRoom([1, 2]))

@@ -350,14 +350,13 @@ def test_triton_rejects_float64():
 # --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
 
 _OFFLINE_COMPILE = """
-import json
 from icrl_kernels.looped import kernels
-from icrl_kernels.testing import compile_for_gpu_offline
+from icrl_kernels.testing import CompileJob, compile_offline
 
 FP32_POINTERS = {"mean_ptr", "rstd_ptr", "pos_partial_ptr", "weight_partial_ptr", "bias_partial_ptr"}
 
 
-def compile_for_sm90(fn, activation, constexprs, num_warps):
+def job(fn, activation, constexprs, num_warps, **info):
     signature = {
         name: ("*fp32" if name in FP32_POINTERS else "*" + activation) if name.endswith("_ptr")
         else "fp32" if name == "eps" else "i32"
@@ -367,17 +366,21 @@ def compile_for_sm90(fn, activation, constexprs, num_warps):
     for name in ("stride_yd", "stride_pd", "stride_ed", "stride_hd", "stride_nd"):
         if name in signature:
             signature[name] = 1
-    print(json.dumps(compile_for_gpu_offline(fn, signature, constexprs, num_warps=num_warps)))
+    return CompileJob(fn, signature, constexprs, num_warps, info={"dtype": activation, **info})
 
 
+# The looped transformer's tile (benchmarks/bench_inject_layer_norm.py: D = 256, L = 81..201 all give the same
+# tile) in bf16 and fp32 with every input, and a tiny tile with every flag flipped.
 forward, backward = kernels._inject_layer_norm_forward_kernel, kernels._inject_layer_norm_backward_kernel
 flags = ("WRITE_Y", "WRITE_PROMPT", "WANT_POS", "WANT_WEIGHT", "WANT_BIAS")
-for activation, on, wide, (block_l, block_d, warps) in [("bf16", True, False, kernels.tile_shape(201, 256)),
-                                                        ("fp32", False, True, kernels.tile_shape(3, 5))]:
-    compile_for_sm90(forward, activation, dict(HAS_Y=on, HAS_POS=on, HAS_BIAS=on, WIDE=wide, BLOCK_L=block_l,
-                                               BLOCK_D=block_d), warps)
-    compile_for_sm90(backward, activation, {**dict.fromkeys(flags, on), "WIDE": wide, "BLOCK_L": block_l,
-                                            "BLOCK_D": block_d}, warps)
+jobs = []
+for activation, on, wide, (L, D) in [("bf16", True, False, (201, 256)), ("fp32", True, False, (201, 256)),
+                                     ("fp32", False, True, (3, 5))]:
+    block_l, block_d, warps = kernels.tile_shape(L, D)
+    blocks = {"WIDE": wide, "BLOCK_L": block_l, "BLOCK_D": block_d}
+    jobs += [job(forward, activation, dict(HAS_Y=on, HAS_POS=on, HAS_BIAS=on, **blocks), warps, L=L, D=D, **blocks),
+             job(backward, activation, {**dict.fromkeys(flags, on), **blocks}, warps, L=L, D=D, **blocks)]
+compile_offline(jobs)
 """
 
 
@@ -385,6 +388,10 @@ for activation, on, wide, (block_l, block_d, warps) in [("bf16", True, False, ke
 def test_kernels_compile_for_sm90_offline():
     """CI has no GPU and runs the kernels in the interpreter, which accepts code the compiler rejects
     (and the reverse): compile both kernels to an sm_90 cubin (TTIR -> PTX -> ptxas) in a subprocess
-    without ``TRITON_INTERPRET``, for the looped-transformer tile and a tiny one with every flag flipped."""
+    without ``TRITON_INTERPRET``, for the looped-transformer tile in bf16 and fp32 and a tiny one with every
+    flag flipped, and check that none spills more than ``MAX_SPILL_BYTES`` per thread."""
+    from icrl_kernels.testing import check_offline_reports
+
     reports = run_offline_compile(_OFFLINE_COMPILE)
-    assert len(reports) == 4
+    assert len(reports) == 6
+    check_offline_reports(reports, {"_inject_layer_norm_forward_kernel", "_inject_layer_norm_backward_kernel"})

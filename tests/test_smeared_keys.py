@@ -257,14 +257,17 @@ def test_module_compiles_fullgraph():
 # --- compiled (non-interpreter) kernels, without a GPU --------------------------------------------
 
 _OFFLINE_COMPILE = """
-import json
 from icrl_kernels.smeared import kernels
-from icrl_kernels.testing import compile_for_gpu_offline
+from icrl_kernels.testing import CompileJob, compile_offline
 
-# Attention shapes of DESIGN.md section 5 (B = 8, L = 1024): bf16 keys as the [B, L, H, Dh] projection
-# seen through transpose(1, 2) with H = 12, Dh = 64; fp32 contiguous [B, H, L, Dh] keys with H = 8, Dh = 32.
+# benchmarks/bench_smeared_keys.py (DESIGN.md section 5, L = 1024): H = 12, Dh = 64 in bf16 (keys as the
+# [B, L, H, Dh] projection seen through transpose(1, 2), as the module passes them) and fp32 (contiguous
+# [B, H, L, Dh]), H = 8, Dh = 128 in bf16; and H = 8, Dh = 32 in fp32, a third tile shape. Block sizes from
+# the wrapper's heuristic (no autotuning).
 B, L = 8, 1024
-for dtype, H, Dh, transposed in [("bf16", 12, 64, True), ("fp32", 8, 32, False)]:
+jobs = []
+for dtype, H, Dh, transposed in [("bf16", 12, 64, True), ("fp32", 12, 64, False), ("bf16", 8, 128, False),
+                                 ("fp32", 8, 32, False)]:
     k_strides = (L * H * Dh, Dh, H * Dh, 1) if transposed else (H * L * Dh, L * Dh, Dh, 1)
     block_l, block_d = kernels.block_sizes(Dh)
     blocks = {"BLOCK_L": block_l, "BLOCK_D": block_d}
@@ -273,15 +276,17 @@ for dtype, H, Dh, transposed in [("bf16", 12, 64, True), ("fp32", 8, 32, False)]
                **dict(zip(("stride_kb", "stride_kh", "stride_kl", "stride_kd"), k_strides))}
     backward = {**forward, "grad_out_ptr": "*" + dtype, "grad_k_ptr": "*" + dtype, "partial_ptr": "*fp32",
                 **dict(zip(("stride_gb", "stride_gh", "stride_gl", "stride_gd"), (H * L * Dh, L * Dh, Dh, 1)))}
-    for kernel, signature in [(kernels._smeared_keys_forward_kernel, forward),
-                              (kernels._smeared_keys_backward_kernel, backward)]:
-        print(json.dumps({**compile_for_gpu_offline(kernel, signature, blocks), "dtype": dtype, **blocks}))
+    info = {"dtype": dtype, "H": H, "Dh": Dh, "transposed": transposed, **blocks}
+    jobs += [CompileJob(kernels._smeared_keys_forward_kernel, forward, blocks, info=info),
+             CompileJob(kernels._smeared_keys_backward_kernel, backward, blocks, info=info)]
+compile_offline(jobs)
 """
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile both kernels to sm_90 cubins with the
-    wrapper's block sizes (bf16 strided keys, fp32 contiguous keys) and check that neither spills heavily."""
+    wrapper's block sizes at the benchmark shapes (bf16 and fp32) and check that neither spills more than
+    ``MAX_SPILL_BYTES`` per thread."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
     check_offline_reports(reports, {"_smeared_keys_forward_kernel", "_smeared_keys_backward_kernel"})

@@ -49,16 +49,38 @@ FMA_BLOCK_A = 16
 #: Programs the grad_embeds launch aims for before it splits rows (about two waves on an H100).
 TARGET_PROGRAMS = 264
 
-_ROW_CONFIGS = [
+# Autotune configs. The tests compile every config of every kernel for sm_90 (bf16 and fp32, D = 512,
+# A = 125 and 4096, and A = 4096 with a mask) and fail on more than 256 bytes of spill per thread. The
+# backward and selection hold two fp32 tiles at once ([BLOCK_N, BLOCK_A] logits plus the
+# [BLOCK_N, 256] / [128, BLOCK_DO] accumulator, or the fp32 FMA-dot operands), so their 64-row tiles take
+# 8 warps: with 4 they spilled ~1 KB (bf16) to 6 KB (fp32, masked) per thread. 128-row tiles spill in
+# the backward whatever the warps (8: >= 0.5 KB in bf16, 6 KB in fp32 with a mask; 16 warps cap a
+# thread at 128 registers), so only the forward and selection keep one. Not covered: a mask whose rows
+# are not 16-element aligned (A = 125) is loaded element by element, which spills ~2 KB per thread in
+# every 64-row tile (with the same mask padded to a row stride of 128: none in the forward).
+_ROW_CONFIGS = [  # forward: one logits tile, no accumulator; 8 bytes of spill at most
     triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
     triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=4),
     triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
     triton.Config({"BLOCK_N": 128, "BLOCK_D": 64}, num_warps=8),
 ]
-_COLUMN_CONFIGS = [
+_GRAD_PRED_CONFIGS = [
     triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
-    triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8),
     triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
+]
+_COLUMN_CONFIGS = [  # grad_embeds
+    triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
+]
+# Selection takes 128-action tiles in every dtype, so fp32 runs 128-wide FMA dots: the 128-row tile
+# reads D in chunks of 16 (with 64 it spilled 312 bytes per thread with a mask).
+_SELECT_CONFIGS = [
+    triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
+    triton.Config({"BLOCK_N": 128, "BLOCK_D": 16}, num_warps=8),
 ]
 
 
@@ -158,7 +180,7 @@ def _infonce_forward_kernel(
     tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit), mask=row_ok)
 
 
-@autotune(_ROW_CONFIGS, key=["A", "D"])
+@autotune(_GRAD_PRED_CONFIGS, key=["A", "D"])
 @triton.jit
 def _infonce_grad_pred_kernel(
     pred_ptr, embeds_ptr, mask_ptr, targets_ptr, lse_ptr, weights_ptr, grad_ptr,
@@ -248,7 +270,7 @@ def _infonce_grad_embeds_kernel(
     )
 
 
-@autotune(_ROW_CONFIGS, key=["A", "D"])
+@autotune(_SELECT_CONFIGS, key=["A", "D"])
 @triton.jit
 def _select_actions_kernel(
     pred_ptr, embeds_ptr, mask_ptr, out_ptr,

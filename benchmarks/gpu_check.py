@@ -1,0 +1,459 @@
+"""Staged GPU check: everything the first CUDA session must measure, in stages that each fit one command.
+
+GPU time comes rarely and in short commands (say 30 minutes in commands of at most 10), so every stage
+is independent, writes its results into the output folder the moment it ends (a stage killed at its
+time limit loses only itself) and stops itself after ``--timeout`` seconds (default 480: inside a 10-minute
+command with room to copy the files back)::
+
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages env,parity   # first command
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs,headline
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages full-ngram,full-infonce
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --list                     # stages, commands, estimates
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --dry-run             # CPU rehearsal of every stage
+
+Stages (in order; ``--stages all`` runs them all):
+
+========== ==============================================================================================
+``env``    nvidia-smi, Python / torch / triton / CUDA versions, SMs and L2, and the two ceilings measured
+           on the device: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul peak
+``parity`` the test suite on the GPU (pytest-xdist ``-n 8`` where installed), then compute-sanitizer
+           memcheck on a few edge-case tests of every kernel
+``configs`` every autotune config of every kernel forced once against the reference
+           (``tests/test_autotune_configs.py``)
+``headline`` one benchmark case per DESIGN target (``pytest -m headline``) and its summary table
+``full-*`` the remaining benchmarks (``-m "not headline"``), one slice per op so each fits a command
+========== ==============================================================================================
+
+Each stage writes ``<stage>.log`` (the full output), ``<stage>.json`` (what it measured: for benchmark
+stages the pytest-benchmark JSON) and ``<stage>.md`` (a table), and updates ``stages.json`` (status,
+seconds and exit code of every stage so far): at most 7 files for two stages, so two stages per command
+come back whole where a command's files are capped at 8.
+
+``--dry-run`` rehearses every stage on the CPU: Triton's interpreter (``TRITON_INTERPRET=1``), the
+benchmarks' smoke shapes, the test selections collected in full and the sanitizer selection run without
+the sanitizer. CI runs it, so a broken stage is caught before it costs GPU time.
+
+Extra pure-Python packages (for example liger-kernel, the InfoNCE peer) on a machine with no network:
+download the wheel beforehand (``pip download --no-deps liger-kernel -d wheels``), carry the folder and
+pass ``--wheels wheels``: they are installed into a temporary folder put first on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Default stage time limit: 8 minutes, inside a 10-minute device command.
+DEFAULT_TIMEOUT = 480
+
+#: Seconds between SIGINT (pytest then still writes its JSON and junit files) and SIGKILL at the time limit.
+GRACE_SECONDS = 30
+
+#: compute-sanitizer selection: a few edge-case tests of every kernel (``{device}`` is ``cuda``, or
+#: ``cpu`` in a dry run). Under memcheck every launch runs ~10-100x slower, so it stays small.
+SANITIZER_SELECTION = [
+    ("tests/test_ngram_attention.py", "edge_cases and {device}"),
+    ("tests/test_contrastive_kernels.py", "(single_available_action or masked_actions_get_exactly) and {device}"),
+    ("tests/test_moa_kernels.py", "(shapes_reach_the_kernel_edges or single_head) and {device}"),
+    ("tests/test_inject_layer_norm.py", "optional_inputs and {device}"),
+    ("tests/test_smeared_keys.py", "strided and {device}"),
+]
+
+#: The benchmark slices of the ``full-*`` stages: ``(stage, files, -k expression or None)``.
+FULL_SLICES = [
+    ("full-ngram", ["benchmarks/bench_ngram_attention.py"], None),
+    ("full-infonce", ["benchmarks/bench_infonce.py"], None),
+    ("full-moa", ["benchmarks/bench_moa.py", "benchmarks/bench_dt_moa.py"], None),
+    ("full-looped", ["benchmarks/bench_looped.py", "benchmarks/bench_inject_layer_norm.py"], None),
+    ("full-smeared", ["benchmarks/bench_smeared_keys.py"], None),
+    ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py"], None),
+]
+
+
+@dataclass
+class Context:
+    """Where a stage writes and how it runs its commands."""
+
+    out: Path
+    dry_run: bool
+    timeout: float
+    env: dict[str, str]
+    deadline: float = 0.0
+    record: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry_run else "cuda"
+
+    def remaining(self) -> float:
+        return max(1.0, self.deadline - time.monotonic())
+
+    def write(self, name: str, payload) -> None:
+        """Write ``name`` under the output folder at once (JSON for dicts and lists, else text)."""
+        text = json.dumps(payload, indent=1, default=str) if isinstance(payload, (dict, list)) else str(payload)
+        (self.out / name).write_text(text)
+
+    def run(self, command: list[str], log_name: str, *, env: dict[str, str] | None = None) -> int:
+        """Run ``command`` from the repository root, appending its output to ``log_name``, within the stage's
+        time left; at the limit pytest gets SIGINT first (it still writes its reports), then SIGKILL."""
+        with open(self.out / log_name, "a") as log:
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                return process.wait(timeout=self.remaining())
+            except subprocess.TimeoutExpired:
+                log.write(f"\n[gpu_check] stage time limit ({self.timeout:.0f} s) reached: interrupting\n")
+                log.flush()
+                os.killpg(process.pid, signal.SIGINT)
+                try:
+                    process.wait(timeout=GRACE_SECONDS)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                return 124
+
+
+# --- env ---------------------------------------------------------------------------------------------
+
+
+def measure_ceilings(device: str, *, dry_run: bool) -> dict:
+    """Copy bandwidth (bytes read + written per second) and matmul peaks (FLOP/s), measured on ``device``
+    with the benchmarks' own functions (so ``env`` reports the ceilings every roofline is judged against).
+
+    On CUDA: a 1 GiB copy (far beyond L2) and 8192^3 bf16 and fp32 products on random data (zeros run
+    faster on Hopper than real data). In a dry run: 64 MiB and 256^3 on the CPU, only so the code runs."""
+    import torch
+
+    from benchmarks.conftest import MATMUL_PEAK_SIZE, copy_bytes_per_second, matmul_flops_per_second
+
+    where = torch.device(device)
+    copy_size, matmul_size = (2**26, 256) if dry_run else (2**30, MATMUL_PEAK_SIZE)
+    facts = {
+        "copy_bytes": copy_size,
+        "copy_bytes_per_second": copy_bytes_per_second(where, copy_size),
+        "matmul_size": matmul_size,
+        **{f"matmul_{name}_flops_per_second": matmul_flops_per_second(where, getattr(torch, name), matmul_size)
+           for name in ("bfloat16", "float32")},
+    }  # fmt: skip
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the stages after this one run in subprocesses: hand the memory back
+    return facts
+
+
+def _command_output(command: list[str]) -> str | None:
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def stage_env(ctx: Context) -> tuple[str, dict]:
+    import numpy
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    facts = {
+        "commit": _command_output(["git", "-C", str(ROOT), "rev-parse", "HEAD"]),
+        "dirty": bool(_command_output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "numpy": numpy.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "packages": {name: _package_version(name) for name in OPTIONAL_PACKAGES},
+    }
+    if ctx.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device visible to torch (use --dry-run to rehearse on the CPU)")
+        props = torch.cuda.get_device_properties(0)
+        facts.update(
+            device=props.name,
+            capability=f"{props.major}.{props.minor}",
+            multiprocessors=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+            l2_cache_bytes=getattr(props, "L2_cache_size", None),
+            nvidia_smi=_command_output(
+                [
+                    "nvidia-smi",
+                    "--query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw,"
+                    "power.limit,temperature.gpu,ecc.mode.current,mig.mode.current",
+                    "--format=csv",
+                ]
+            ),  # fmt: skip
+            compute_sanitizer=shutil.which("compute-sanitizer") or _find_sanitizer(),
+        )
+    else:
+        facts["device"] = platform.processor() or platform.machine()
+    facts.update(measure_ceilings(ctx.device, dry_run=ctx.dry_run))
+    lines = ["| fact | value |", "|---|---|"] + [
+        f"| {key} | {value} |" for key, value in facts.items() if key not in ("packages", "nvidia_smi")
+    ]
+    lines += ["", f"- copy bandwidth: {facts['copy_bytes_per_second'] / 1e12:.3g} TB/s (read + write)"]
+    lines += [f"- {name} matmul peak: {facts[f'matmul_{name}_flops_per_second'] / 1e12:.4g} TFLOP/s"
+              for name in ("bfloat16", "float32")]  # fmt: skip
+    if facts.get("nvidia_smi"):
+        lines += ["", "```", facts["nvidia_smi"], "```"]
+    ctx.write("env.json", facts)
+    ctx.write("env.md", "# Environment\n\n" + "\n".join(lines) + "\n")
+    return "passed", {"device": facts["device"], "copy_TBps": facts["copy_bytes_per_second"] / 1e12,
+                      "bf16_matmul_TFLOPs": facts["matmul_bfloat16_flops_per_second"] / 1e12}  # fmt: skip
+
+
+#: Optional packages whose presence changes what runs (peers, skipped tests): recorded by ``env``.
+OPTIONAL_PACKAGES = ("gymnasium", "hypothesis", "safetensors", "liger_kernel", "xdist", "pytest_benchmark")
+
+
+def _package_version(name: str) -> str | None:
+    from importlib import import_module
+
+    try:
+        module = import_module(name)
+    except ImportError:
+        return None
+    return getattr(module, "__version__", "present")
+
+
+def _find_sanitizer() -> str | None:
+    for candidate in ("/usr/local/cuda/bin/compute-sanitizer", "/opt/cuda/bin/compute-sanitizer"):
+        if Path(candidate).exists():
+            return candidate
+    return None
+
+
+# --- pytest stages -----------------------------------------------------------------------------------
+
+
+def _pytest(ctx: Context, args: list[str], log_name: str, junit: Path | None = None, **kwargs) -> int:
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+    if junit is not None:
+        command.append(f"--junitxml={junit}")
+    return ctx.run(command, log_name, **kwargs)
+
+
+def _junit_counts(path: Path) -> dict:
+    """Counts and the failing test ids from a junit XML file (empty when pytest never wrote it)."""
+    if not path.exists():
+        return {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "failed": []}
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {
+        key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")
+    }
+    failed = []
+    for case in (case for suite in suites for case in suite.iter("testcase")):
+        # An Element without children is falsy, so test against None rather than with ``or``.
+        problem = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if problem is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}: {problem.get('message', '')[:300]}")
+    return {**counts, "failed": failed}
+
+
+def _status(code: int) -> str:
+    return {0: "passed", 124: "timed out", 5: "selected no test"}.get(code, "failed")
+
+
+def _has_xdist() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("xdist") is not None
+
+
+def stage_parity(ctx: Context) -> tuple[str, dict]:
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "parity.xml"
+        if ctx.dry_run:
+            # The whole suite already runs in CI; here only check that the selection collects.
+            code = _pytest(ctx, ["--collect-only", "tests"], "parity.log")
+            collected = re.findall(r"(\d+) tests? collected", (ctx.out / "parity.log").read_text())
+            results["suite"] = {"exit": code, **_junit_counts(junit), "tests": int(collected[-1]) if collected else 0}
+        else:
+            xdist = ["-n", "8"] if _has_xdist() else []
+            code = _pytest(ctx, [*xdist, "tests"], "parity.log", junit)
+            results["suite"] = {"exit": code, **_junit_counts(junit)}
+
+        sanitizer = None if ctx.dry_run else (shutil.which("compute-sanitizer") or _find_sanitizer())
+        selection = [arg for path, expr in SANITIZER_SELECTION for arg in (path, "-k", expr.format(device=ctx.device))]
+        sanitized: list[dict] = []
+        for path, expression in SANITIZER_SELECTION:
+            junit = Path(tmp) / f"memcheck-{Path(path).stem}.xml"
+            args = [path, "-k", expression.format(device=ctx.device)]
+            if sanitizer:
+                prefix = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all"]
+                command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                           f"--junitxml={junit}", *args]  # fmt: skip
+                sub_code = ctx.run(command, "parity.log")
+            else:
+                sub_code = _pytest(ctx, args, "parity.log", junit)
+            sanitized.append({"file": path, "selection": args[2], "exit": sub_code, **_junit_counts(junit)})
+        results["memcheck"] = {"sanitizer": sanitizer or "not run (no compute-sanitizer, or dry run)",
+                               "runs": sanitized, "selection": selection}  # fmt: skip
+    ctx.write("parity.json", results)
+    lines = ["# Parity", "", "| run | exit | tests | failed | errors | skipped |", "|---|---|---|---|---|---|"]
+    lines.append(_count_row("suite", results["suite"]))
+    lines += [_count_row(f"memcheck {run['file']} -k '{run['selection']}'", run) for run in sanitized]
+    failed = results["suite"]["failed"] + [name for run in sanitized for name in run["failed"]]
+    lines += ["", f"memcheck: {results['memcheck']['sanitizer']}", ""] + [f"- FAILED {name}" for name in failed]
+    ctx.write("parity.md", "\n".join(lines) + "\n")
+    codes = [results["suite"]["exit"]] + [run["exit"] for run in sanitized]
+    status = "timed out" if 124 in codes else "passed" if all(code == 0 for code in codes) else "failed"
+    return status, {"failed": len(failed), "tests": results["suite"]["tests"]}
+
+
+def _count_row(name: str, counts: dict) -> str:
+    cells = [name, counts["exit"], counts["tests"], counts["failures"], counts["errors"], counts["skipped"]]
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def stage_configs(ctx: Context) -> tuple[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "configs.xml"
+        code = _pytest(ctx, ["tests/test_autotune_configs.py", "-k", ctx.device], "configs.log", junit)
+        counts = {"exit": code, **_junit_counts(junit)}
+    ctx.write("configs.json", counts)
+    lines = ["# Every autotune config forced once", "", "| run | exit | tests | failed | errors | skipped |",
+             "|---|---|---|---|---|---|", _count_row("configs", counts), ""]  # fmt: skip
+    ctx.write("configs.md", "\n".join(lines + [f"- FAILED {name}" for name in counts["failed"]]) + "\n")
+    return _status(code), {"tests": counts["tests"], "failed": len(counts["failed"])}
+
+
+def _benchmark_stage(ctx: Context, name: str, args: list[str]) -> tuple[str, dict]:
+    """Run benchmarks into ``<name>.json`` and summarise them into ``<name>.md``."""
+    json_path = ctx.out / f"{name}.json"
+    env = dict(ctx.env)
+    if ctx.dry_run:
+        env["ICRL_BENCH_SECONDS"] = "0.001"  # time three rounds: enough to exercise the JSON and summary
+    code = _pytest(ctx, [*args, f"--benchmark-json={json_path}"], f"{name}.log", env=env)
+    summary = {}
+    if json_path.exists():
+        from benchmarks import summarize
+
+        ctx.write(f"{name}.md", summarize.summarize(json_path))
+        summary["benchmarks"] = len(json.loads(json_path.read_text())["benchmarks"])
+    return _status(code), summary
+
+
+def stage_headline(ctx: Context) -> tuple[str, dict]:
+    return _benchmark_stage(ctx, "headline", ["benchmarks", "-m", "headline"])
+
+
+def _full_stage(name: str, files: list[str], expression: str | None) -> Callable[[Context], tuple[str, dict]]:
+    def stage(ctx: Context) -> tuple[str, dict]:
+        args = [*files, "-m", "not headline"] + (["-k", expression] if expression else [])
+        return _benchmark_stage(ctx, name, args)
+
+    return stage
+
+
+STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
+    "env": (stage_env, "~1 min: versions, nvidia-smi, a 1 GiB copy and an 8192^3 bf16 matmul, 10 each"),
+    "parity": (stage_parity, "~4-7 min (estimate): ~1300 tests, of which ~600 CUDA kernel tests whose cost is "
+               "Triton compiles (~500 specialisations x configs at ~1-2 s each, on 8 xdist workers); "
+               "memcheck on ~40 edge tests"),
+    "configs": (stage_configs, "~2-4 min (estimate): one compile (~1-2 s) + one fwd/bwd per config of every "
+                "autotuned kernel"),
+    "headline": (stage_headline, "~3-6 min (estimate): ~1 s of timed calls per case plus autotuning and "
+                 "torch.compile/FlexAttention compiles"),
+    **{name: (_full_stage(name, files, expression), "up to 8 min: stopped at --timeout, results kept")
+       for name, files, expression in FULL_SLICES},
+}  # fmt: skip
+
+
+def base_env(dry_run: bool, wheels: Path | None) -> dict[str, str]:
+    """The environment the stages' subprocesses run in: the checkout first on ``PYTHONPATH``; the
+    interpreter on in a dry run and off otherwise; ``--wheels`` installed into a temporary folder."""
+    env = dict(os.environ)
+    paths = [str(ROOT)]
+    if wheels is not None:
+        target = Path(tempfile.mkdtemp(prefix="gpu_check_wheels_"))
+        found = sorted(str(path) for path in wheels.glob("*.whl"))
+        if not found:
+            raise SystemExit(f"gpu_check: --wheels {wheels}: no .whl files there")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(target), *found], check=True)  # fmt: skip
+        paths.insert(0, str(target))
+    env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("ICRL_BENCH_FULL", None)
+    return env
+
+
+def parse_stages(text: str) -> list[str]:
+    names = list(STAGES) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in STAGES]
+    if unknown or not names:
+        raise SystemExit(f"gpu_check: unknown stage(s) {unknown or text!r}; choose from: all, {', '.join(STAGES)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "out", nargs="?", type=Path, help="output folder (created; results are written as each stage ends)"
+    )
+    parser.add_argument("--stages", default="all", help="comma-separated stages, or 'all' (default); see --list")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per stage (default 480)")
+    parser.add_argument("--dry-run", action="store_true", help="rehearse every stage on the CPU under the interpreter")
+    parser.add_argument("--wheels", type=Path, help="a folder of wheels to install (no network) before the stages")
+    parser.add_argument("--list", action="store_true", help="print the stages with their estimates and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, (_, estimate) in STAGES.items():
+            print(f"{name:13s} {estimate}")
+        return 0
+    if args.out is None:
+        parser.error("the output folder is required (or --list)")
+    names = parse_stages(args.stages)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = base_env(args.dry_run, args.wheels)
+    record_path = args.out / "stages.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    for name in names:
+        ctx = Context(args.out, args.dry_run, args.timeout, env, deadline=time.monotonic() + args.timeout)
+        print(f"[gpu_check] {name} ...", flush=True)
+        start = time.monotonic()
+        try:
+            status, details = STAGES[name][0](ctx)
+        except Exception as error:  # a broken stage must not cost the stages after it
+            status, details = "error", {"error": f"{type(error).__name__}: {error}"}
+        seconds = time.monotonic() - start
+        record[name] = {"status": status, "seconds": round(seconds, 1), "dry_run": args.dry_run, **details}
+        record_path.write_text(json.dumps(record, indent=1))
+        print(f"[gpu_check] {name}: {status} in {seconds:.0f} s {details}", flush=True)
+    failed = [name for name in names if record[name]["status"] != "passed"]
+    print(f"[gpu_check] results in {args.out}; " + (f"not passed: {', '.join(failed)}" if failed else "all passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Every autotune config of every Triton kernel, forced one at a time, against the op's reference.
+
+The autotuner times its configs on the GPU and keeps the fastest for each shape, so any config may
+compute a user's results, but the parity tests only run the one that wins (and the interpreter only
+the first). Each test here forces one config of one kernel (:func:`icrl_kernels.testing.forced_config`),
+runs the public op forward and backward through the Triton backend and compares the output and the
+gradients with the op's reference; kernel outputs start NaN-poisoned (tests/conftest.py), so an
+element that a config's tiling never writes fails.
+
+On CUDA the shape is benchmark-sized with ragged edges (no dimension a multiple of every tile). Under
+``TRITON_INTERPRET=1`` the same tests run on the CPU at a tiny shape (one or a few programs a launch):
+the CPU rehearsal of the GPU "configs" stage. The kernels come from
+:func:`icrl_kernels._triton.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
+(``test_every_autotuned_kernel_has_a_check`` fails until it has one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel modules need triton)
+    infonce_loss,
+    infonce_loss_reference,
+    ngram_attention,
+    ngram_attention_reference,
+    select_actions,
+)
+from icrl_kernels._triton import autotune_configs, autotuned_kernels, config_name, kernel_name  # noqa: E402
+from icrl_kernels.contrastive import action_logits_reference  # noqa: E402
+from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, forced_config, triton_devices  # noqa: E402
+
+#: fp32 and bf16 take different code paths (FMA vs tensor-core dots, 16- vs 128-action InfoNCE tiles);
+#: fp16 takes bf16's on every kernel. Under the interpreter bf16 dots are upcast, but the loads, casts
+#: and stores still run in bf16.
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --- one check per op: the public function forward and backward against the reference -------------
+
+
+def check_ngram(algorithm: str, device: str, dtype: torch.dtype) -> None:
+    """``ngram_attention(backend="triton", algorithm=...)`` and its gradient against the dense reference."""
+    tiny = device == "cpu"
+    if tiny:  # sort tiles of 32..128 positions: one to two tiles, one column block
+        batch, length, dim, vocab = 1, 40, 24, 4
+    else:  # DESIGN.md-sized: the sort path at L = 1000, the tiled one at L = 250; D = 200 is ragged for every tile
+        batch, length, dim, vocab = 2, 1000 if algorithm == "sort" else 250, 200, 16
+    gen = _generator(length + dim)
+    ids = torch.randint(0, vocab, (batch, length), generator=gen)
+    ids[torch.rand(batch, length, generator=gen) < 0.05] = -1  # padding never matches
+    ids = ids.to(device)
+    h = torch.randn(batch, length, dim, generator=gen).to(device, dtype).requires_grad_(True)
+    h_ref = h.detach().float().requires_grad_(True)
+    out = ngram_attention(h, ids, 2, backend="triton", algorithm=algorithm)
+    ref = ngram_attention_reference(h_ref, ids, 2)
+    assert_close_rel(out, ref, rms_tol=RMS_TOLERANCE[dtype], name="output")
+    grad_out = torch.randn(ref.shape, generator=gen).to(device, dtype)  # the same (rounded) values for both
+    (grad,) = torch.autograd.grad(out, h, grad_out)
+    (grad_ref,) = torch.autograd.grad(ref, h_ref, grad_out.float())
+    assert_close_rel(grad, grad_ref, rms_tol=RMS_TOLERANCE[dtype], name="grad_h")
+
+
+def _contrastive_inputs(device: str, dtype: torch.dtype):
+    """``pred [B, T, D]``, one shared map ``[A, D]``, a ``[B, T, A]`` mask and targets among the available
+    actions; logits of standard deviation about 2 (peaked, not one-hot)."""
+    tiny = device == "cpu"
+    # Tiny: A = 150 is 10 FMA action tiles or 2 tensor-core ones, D = 40 two BLOCK_D chunks of 32.
+    # CUDA: N = 800 rows, D = 512 (two grad_pred column blocks of 256), A = 1000 (8 tiles of 128, ragged).
+    batch, steps, dim, actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
+    gen = _generator(dim + actions)
+    pred = torch.randn(batch, steps, dim, generator=gen)
+    embeds = torch.randn(actions, dim, generator=gen) * (2.0 / math.sqrt(dim))
+    mask = torch.rand(batch, steps, actions, generator=gen) < 0.7
+    targets = torch.multinomial(mask.reshape(-1, actions).float(), 1, generator=gen).reshape(batch, steps)
+    return pred.to(device, dtype), embeds.to(device, dtype), mask.to(device), targets.to(device)
+
+
+def check_infonce(device: str, dtype: torch.dtype) -> None:
+    """``infonce_loss(backend="triton")`` and both gradients against the fp32 reference on the same inputs,
+    with and without a mask (``HAS_MASK`` compiles two variants of every kernel)."""
+    pred, embeds, mask, targets = _contrastive_inputs(device, dtype)
+    for masked in (False, True):
+        kwargs = {"mask": mask if masked else None, "tau": 0.7, "reduction": "none"}
+        leaves = (pred.detach().clone().requires_grad_(True), embeds.detach().clone().requires_grad_(True))
+        leaves_ref = (pred.detach().float().requires_grad_(True), embeds.detach().float().requires_grad_(True))
+        loss = infonce_loss(*leaves, targets, backend="triton", **kwargs)
+        expected = infonce_loss_reference(*leaves_ref, targets, **kwargs)
+        name = "masked" if masked else "unmasked"
+        assert_close_rel(loss, expected, rms_tol=RMS_TOLERANCE[dtype], name=f"{name} loss")
+        # Random positive row weights: every row's gradient is scaled differently.
+        grad_out = torch.rand(expected.shape, generator=_generator(1)).to(device) + 0.5
+        grads = torch.autograd.grad(loss, leaves, grad_out)
+        grads_ref = torch.autograd.grad(expected, leaves_ref, grad_out)
+        for grad_name, grad, grad_ref in zip(("grad_pred", "grad_embeds"), grads, grads_ref):
+            assert_close_rel(grad, grad_ref, rms_tol=RMS_TOLERANCE[dtype], name=f"{name} {grad_name}")
+
+
+def _sample(pred, embeds, mask) -> torch.Tensor:
+    """A seeded Gumbel-max draw. tau = 1e4 scales the logits to ~1e-3, so the rounding differences between
+    configs (~1e-9 after the scaling) cannot reorder the noise, which every config computes bit for bit
+    the same (one Philox draw per (row, action), whatever the tiling)."""
+    return select_actions(pred, embeds, mode="sample", tau=1e4, mask=mask, generator=_generator(7), backend="triton")
+
+
+def check_select(device: str, dtype: torch.dtype) -> None:
+    """``select_actions(backend="triton")``: argmax picks an available action whose reference logit is the
+    row's maximum (up to rounding: near-ties may go either way); sampling picks available actions."""
+    pred, embeds, mask, _ = _contrastive_inputs(device, dtype)
+    logits = action_logits_reference(pred.float(), embeds.float(), mask=mask)
+    chosen = select_actions(pred, embeds, mode="argmax", mask=mask, backend="triton")
+    assert mask.gather(-1, chosen[..., None]).all(), "argmax picked an unavailable action"
+    best = logits.max(-1).values
+    gap = (best - logits.gather(-1, chosen[..., None])[..., 0]).max().item()
+    assert gap <= 1e-4 * best.abs().max().item(), f"argmax is {gap:.3e} below the best logit"
+    assert mask.gather(-1, _sample(pred, embeds, mask)[..., None]).all(), "sampling picked an unavailable action"
+
+
+#: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
+CHECKS = {
+    "ngram_forward": lambda device, dtype: check_ngram("sort", device, dtype),
+    "ngram_backward": lambda device, dtype: check_ngram("sort", device, dtype),
+    "ngram_tiled_forward": lambda device, dtype: check_ngram("tiled", device, dtype),
+    "ngram_tiled_backward": lambda device, dtype: check_ngram("tiled", device, dtype),
+    "infonce_forward": check_infonce,
+    "infonce_grad_pred": check_infonce,
+    "infonce_grad_embeds": check_infonce,
+    "select_actions": check_select,
+}
+
+KERNELS = {kernel_name(kernel): kernel for kernel in autotuned_kernels()}
+CONFIGS = [
+    pytest.param(name, config, id=f"{name}-{config_name(config)}")
+    for name, kernel in KERNELS.items()
+    for config in autotune_configs(kernel)
+]
+
+
+def test_every_autotuned_kernel_has_a_check():
+    assert set(KERNELS) == set(CHECKS), "add a check for every autotuned kernel to CHECKS"
+    ids = [param.id for param in CONFIGS]
+    assert len(set(ids)) == len(ids), f"two configs of one kernel share an id: {sorted(ids)}"
+
+
+@pytest.mark.parametrize("name,config", CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", triton_devices())
+def test_config_matches_reference(device, dtype, name, config):
+    with forced_config(KERNELS[name], config):
+        CHECKS[name](device, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", triton_devices())
+def test_sampling_does_not_depend_on_the_config(device, dtype):
+    """The same seed draws the same actions in every selection config."""
+    pred, embeds, mask, _ = _contrastive_inputs(device, dtype)
+    kernel = KERNELS["select_actions"]
+    draws = {}
+    for config in autotune_configs(kernel):
+        with forced_config(kernel, config):
+            draws[config_name(config)] = _sample(pred, embeds, mask)
+    first, *others = draws.items()
+    for name, draw in others:
+        differ = int((draw != first[1]).sum())
+        assert differ == 0, f"{name} draws {differ} actions unlike {first[0]}"
