@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as ``python benchmarks/gpu_check.py``: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
 
 #: Default stage time limit: 8 minutes, inside a 10-minute device command.
 DEFAULT_TIMEOUT = 480
