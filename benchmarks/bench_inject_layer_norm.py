@@ -37,7 +37,7 @@ from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
 from icrl_kernels.looped.cost import inject_layer_norm_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, select_shapes, skip_unless_runnable
+from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -60,16 +60,7 @@ SMOKE_SHAPES = [Shape(B=3, L=9, D=37, dtype="float32"), Shape(B=5, L=6, D=64, dt
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 HEADLINE_CASES = [(Shape(B=64, L=201, D=256, dtype="bfloat16"), "triton"), (SMOKE_SHAPES[0], "triton")]
-CASES = [
-    pytest.param(
-        shape,
-        backend,
-        id=f"{shape_id(shape)}-{backend}",
-        marks=[pytest.mark.headline] if (shape, backend) in HEADLINE_CASES else [],
-    )
-    for shape in SHAPES
-    for backend in ("triton", "eager", "reference", "compile")
-]
+CASES = backend_params(SHAPES, ("triton", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id)
 
 
 def torch_inject_layer_norm(y, prompt, pos, weight, bias):

@@ -31,7 +31,7 @@ from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
 from icrl_kernels.smeared.cost import fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, select_shapes, skip_unless_runnable
+from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable
 
 
 class Shape(NamedTuple):
@@ -61,16 +61,7 @@ SMOKE_SHAPES = [Shape(B=2, H=3, L=70, Dh=24, dtype="float32"), Shape(B=1, H=2, L
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 HEADLINE_CASES = [(Shape(B=64, H=12, L=1024, Dh=64, dtype="bfloat16"), "triton"), (SMOKE_SHAPES[0], "triton")]
-CASES = [
-    pytest.param(
-        shape,
-        backend,
-        id=f"{shape_id(shape)}-{backend}",
-        marks=[pytest.mark.headline] if (shape, backend) in HEADLINE_CASES else [],
-    )
-    for shape in SHAPES
-    for backend in ("triton", "eager", "reference", "compile")
-]
+CASES = backend_params(SHAPES, ("triton", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id)
 
 
 @functools.cache

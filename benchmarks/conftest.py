@@ -63,6 +63,19 @@ def as_params(cases: Sequence[Any], *, headline: Sequence[Any] = (), ids: Callab
     ]
 
 
+def backend_params(
+    shapes: Sequence[Any], backends: Sequence[str], *, headline: Sequence[tuple[Any, str]], ids: Callable[[Any], str]
+) -> list:
+    """``(shape, backend)`` pairs as ``pytest.param`` values (id ``<shape id>-<backend>``), the pairs in
+    ``headline`` marked ``pytest.mark.headline``: for ops whose headline is one backend's roofline."""
+    return [
+        pytest.param(shape, backend, id=f"{ids(shape)}-{backend}",
+                     marks=[pytest.mark.headline] if (shape, backend) in headline else [])
+        for shape in shapes
+        for backend in backends
+    ]  # fmt: skip
+
+
 def skip_unless_runnable(backend: str, device: torch.device, *, compile_here: bool = True) -> None:
     """``pytest.skip`` a benchmark that cannot run, or would not finish, here.
 
