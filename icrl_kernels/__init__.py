@@ -6,6 +6,7 @@ PyTorch, or the Triton interpreter when ``TRITON_INTERPRET=1``; ``backend=`` ove
 """
 
 from ._backend import BACKENDS, resolve_backend
+from ._validation import VALUE_CHECK_MODES, set_value_checks, value_checks
 from .contrastive import (
     OvercompleteEmbeddingWarning,
     infonce_loss,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "VALUE_CHECK_MODES",
     "ActionMap",
     "LoopedBlock",
     "MoAAttention",
@@ -51,8 +53,10 @@ __all__ = [
     "resolve_backend",
     "select_actions",
     "select_actions_reference",
+    "set_value_checks",
     "SmearedKeyAttention",
     "smeared_keys",
     "smeared_keys_reference",
     "transition_ids",
+    "value_checks",
 ]

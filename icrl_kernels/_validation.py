@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -89,3 +90,45 @@ def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
     if value not in options:
         raise ValueError(f"{name} must be one of {options}, got {value!r}")
     return value  # type: ignore[return-value]
+
+
+# -- value checks that never stall a GPU -----------------------------------------------------------
+#: ``"auto"``: clear ``ValueError`` for CPU tensors (no GPU to stall); on CUDA an asynchronous device
+#: assert (``torch._assert_async``), which, like an out-of-range target in ``F.cross_entropy``, is
+#: reported at a later CUDA call and ends the process's CUDA context. ``"sync"``: the clear
+#: ``ValueError`` on every device (one host sync per check: for debugging). ``"off"``: no value checks.
+VALUE_CHECK_MODES = ("auto", "sync", "off")
+_value_check_mode = os.environ.get("ICRL_VALUE_CHECKS", "auto").strip().lower()
+if _value_check_mode not in VALUE_CHECK_MODES:
+    raise ValueError(f"ICRL_VALUE_CHECKS must be one of {VALUE_CHECK_MODES}, got {_value_check_mode!r}")
+
+
+def set_value_checks(mode: str) -> str:
+    """Choose how ops check data-dependent conditions (targets in range, a row with no available action,
+    ids in range, NaN); return the previous mode. See ``VALUE_CHECK_MODES``; the default comes from the
+    environment variable ``ICRL_VALUE_CHECKS`` (``"auto"`` when unset)."""
+    global _value_check_mode
+    check_choice(mode, "mode", VALUE_CHECK_MODES)
+    previous, _value_check_mode = _value_check_mode, mode
+    return previous
+
+
+def value_checks() -> str:
+    """The current value-check mode (see :func:`set_value_checks`)."""
+    return _value_check_mode
+
+
+def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | None = None) -> None:
+    """Raise ``ValueError`` if the 0-d bool tensor ``bad`` is True, without a host sync on GPU.
+
+    This is the only place an op may read a tensor value on the host (a test scans the package for
+    others). ``message`` names the argument and the rule; ``details`` (optional) returns extra text, such
+    as offending values, and runs only when a synchronous check fails.
+    """
+    if _value_check_mode == "off":
+        return
+    if bad.device.type == "cpu" or _value_check_mode == "sync":
+        if bool(bad):
+            raise ValueError(message + (details() if details is not None else ""))
+        return
+    torch._assert_async(~bad, message)
