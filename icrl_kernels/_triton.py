@@ -6,6 +6,7 @@ import importlib
 import pkgutil
 from collections.abc import Sequence
 
+import torch
 import triton
 
 from ._backend import triton_interpreter_enabled
@@ -70,3 +71,17 @@ def autotuned_kernels() -> list:
         if module.name.rsplit(".", 1)[-1].endswith("kernels"):
             importlib.import_module(module.name)
     return list(_AUTOTUNED)
+
+
+def launch(kernel, grid):
+    """``kernel[grid]``, launched through ``torch.library.wrap_triton`` where torch has it (>= 2.6), so that
+    ``torch.compile`` can trace into the ops that call it (see :mod:`icrl_kernels._library`); outside
+    tracing the wrapper launches the kernel directly. Every launch in the package goes through here."""
+    wrap = getattr(torch.library, "wrap_triton", None)
+    return (wrap(kernel) if wrap is not None else kernel)[grid]
+
+
+def size_bucket(size: int) -> int:
+    """Power-of-two bucket of a problem size (rows, B * L, ...) for autotune keys: configs are re-tuned when
+    the size changes by 2x or more, not at every new size. ``size_bucket(6400) == 8192``."""
+    return triton.next_power_of_2(max(1, int(size)))

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune
+from .._triton import autotune, launch
 
 #: Largest action tile; action sets up to this size are held in registers whole.
 MAX_BLOCK_A = 128
@@ -343,7 +343,7 @@ def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
 
-    _infonce_forward_kernel[grid](
+    launch(_infonce_forward_kernel, grid)(
         pred, embeds, mask_t, targets, losses, lse,
         steps, num_actions, dim, rows, tau, ignore_index,
         pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma,
@@ -371,7 +371,7 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
     def pred_grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]) * groups, triton.cdiv(dim, block_do))
 
-    _infonce_grad_pred_kernel[pred_grid](
+    launch(_infonce_grad_pred_kernel, pred_grid)(
         pred, embeds, mask_t, targets, lse, row_weights, grad_pred, *common, tau,
         *strides, grad_pred.stride(0), grad_pred.stride(1), BLOCK_DO=block_do, **flags,
     )  # fmt: skip
@@ -390,7 +390,7 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
     def embeds_grid(meta):
         return (triton.cdiv(num_actions, flags["BLOCK_A"]) * groups * num_splits, triton.cdiv(dim, block_do))
 
-    _infonce_grad_embeds_kernel[embeds_grid](
+    launch(_infonce_grad_embeds_kernel, embeds_grid)(
         pred, embeds, mask_t, targets, lse, row_weights, out, *common, rows_per_split, num_splits, tau,
         *strides, out.stride(0), out.stride(1), BLOCK_DO=block_do, **flags,
     )  # fmt: skip
@@ -409,7 +409,7 @@ def select_actions_triton(pred, embeds, mask, tau: float, sample: bool, seed: in
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
 
-    _select_actions_kernel[grid](
+    launch(_select_actions_kernel, grid)(
         pred, embeds, mask_t, actions,
         steps, num_actions, dim, rows, tau, seed,
         pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma,

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
+from .._triton import launch
 
 #: Elements of one ``[BLOCK_L, BLOCK_D]`` tile; with one warp per 256 of them a thread holds 8 values
 #: per tile. Compiled offline for sm_90 (ptxas -v, no GPU run): at D = 256 (8 x 256 tile, 8 warps) the
@@ -256,7 +257,7 @@ def inject_layer_norm_forward_triton(
     grid = (position_blocks, triton.cdiv(batch, per_program))
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    _inject_layer_norm_forward_kernel[grid](
+    launch(_inject_layer_norm_forward_kernel, grid)(
         y if y is not None else prompt, prompt, pos if pos is not None else weight, weight,
         bias if bias is not None else weight,
         hidden, normed, mean, rstd,
@@ -300,7 +301,7 @@ def inject_layer_norm_backward_triton(
     weight_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_weight else None
     bias_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_bias else None
     # Gradients not wanted get a placeholder pointer; their constexpr flag keeps the kernel off it.
-    _inject_layer_norm_backward_kernel[grid](
+    launch(_inject_layer_norm_backward_kernel, grid)(
         grad_hidden, grad_normed, hidden, mean, rstd, weight,
         *(t if t is not None else hidden for t in (grad_y, grad_prompt, pos_partial, weight_partial, bias_partial)),
         batch, length, width, per_program,

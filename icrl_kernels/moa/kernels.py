@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
+from .._triton import launch
 from .function import empty_like_layout
 from .reference import GATES
 
@@ -137,7 +138,7 @@ def mixture_of_heads_forward_triton(head_out: torch.Tensor, gate_logits: torch.T
     batch, length, heads, head_dim = head_out.shape
     out = empty_output((batch, length, heads * head_dim), dtype=head_out.dtype, device=head_out.device)
     grid, blocks = _launch_config(head_out)
-    _mixture_of_heads_forward_kernel[grid](
+    launch(_mixture_of_heads_forward_kernel, grid)(
         head_out, gate_logits, out,
         batch * length, length, heads, head_dim,
         *head_out.stride(),
@@ -156,7 +157,7 @@ def mixture_of_heads_backward_triton(
     grad_head = empty_like_layout(head_out, head_out.dtype)
     grad_gate = empty_output(gate_logits.shape, dtype=gate_logits.dtype, device=gate_logits.device)
     grid, blocks = _launch_config(head_out)
-    _mixture_of_heads_backward_kernel[grid](
+    launch(_mixture_of_heads_backward_kernel, grid)(
         grad_out, head_out, gate_logits, grad_head, grad_gate,
         batch * length, length, heads, head_dim,
         *grad_out.stride(),

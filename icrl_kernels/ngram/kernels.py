@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune
+from .._triton import autotune, launch
 
 _CONFIGS = [
     triton.Config({"BLOCK_L": 64, "BLOCK_D": 64}, num_warps=4),
@@ -169,7 +169,7 @@ def ngram_forward_triton(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor
     def grid(meta_params):
         return (batch, triton.cdiv(dim, meta_params["BLOCK_D"]))
 
-    _ngram_forward_kernel[grid](
+    launch(_ngram_forward_kernel, grid)(
         h, perm.contiguous(), meta.contiguous(), count.contiguous(), out,
         length, dim,
         h.stride(0), h.stride(1), out.stride(0), out.stride(1),
@@ -188,7 +188,7 @@ def ngram_backward_triton(
     def grid(meta_params):
         return (batch, triton.cdiv(dim, meta_params["BLOCK_D"]))
 
-    _ngram_backward_kernel[grid](
+    launch(_ngram_backward_kernel, grid)(
         grad_out, perm.contiguous(), meta.contiguous(), count.contiguous(), grad_h,
         length, dim,
         grad_out.stride(0), grad_out.stride(1), grad_h.stride(0), grad_h.stride(1),

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune
+from .._triton import autotune, launch
 
 _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 64}, num_warps=4),
@@ -151,7 +151,7 @@ def ngram_tiled_forward_triton(h: torch.Tensor, ids: torch.Tensor, n: int) -> tu
     def grid(meta):
         return (triton.cdiv(length, meta["BLOCK_M"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
 
-    _ngram_tiled_forward_kernel[grid](
+    launch(_ngram_tiled_forward_kernel, grid)(
         h, ids, out, count,
         length, dim, n,
         h.stride(0), h.stride(1), out.stride(0), out.stride(1),
@@ -169,7 +169,7 @@ def ngram_tiled_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, count
     def grid(meta):
         return (triton.cdiv(length, meta["BLOCK_N"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
 
-    _ngram_tiled_backward_kernel[grid](
+    launch(_ngram_tiled_backward_kernel, grid)(
         grad_out, ids, count.contiguous(), grad_h,
         length, dim, n,
         grad_out.stride(0), grad_out.stride(1), grad_h.stride(0), grad_h.stride(1),

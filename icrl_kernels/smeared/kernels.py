@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
+from .._triton import launch
 
 #: Elements per program (BLOCK_L x BLOCK_D).
 _TILE_ELEMENTS = 4096
@@ -119,7 +120,7 @@ def smeared_keys_forward_triton(k: torch.Tensor, alpha: torch.Tensor) -> torch.T
     _, heads, length, head_dim = k.shape
     out = empty_output(k.shape, dtype=k.dtype, device=k.device)
     block_l, block_d = block_sizes(head_dim)
-    _smeared_keys_forward_kernel[_grid(k, block_l, block_d)](
+    launch(_smeared_keys_forward_kernel, _grid(k, block_l, block_d))(
         k, alpha.contiguous(), out,
         heads, length, head_dim,
         *k.stride(),
@@ -140,7 +141,7 @@ def smeared_keys_backward_triton(
     # program that skipped its slot turns the alpha gradient into NaN.
     partials = empty_output(grid, dtype=torch.float32, device=k.device)
     alpha = alpha.contiguous()
-    _smeared_keys_backward_kernel[grid](
+    launch(_smeared_keys_backward_kernel, grid)(
         grad_out, k, alpha, grad_k, partials,
         heads, length, head_dim,
         *grad_out.stride(),
