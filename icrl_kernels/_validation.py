@@ -96,8 +96,10 @@ def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
 #: ``"auto"``: clear ``ValueError`` for CPU tensors (no GPU to stall); on CUDA an asynchronous device
 #: assert (``torch._assert_async``), which, like an out-of-range target in ``F.cross_entropy``, is
 #: reported at a later CUDA call and ends the process's CUDA context. ``"sync"``: the clear
-#: ``ValueError`` on every device (one host sync per check: for debugging). ``"off"``: no value checks.
-VALUE_CHECK_MODES = ("auto", "sync", "off")
+#: ``ValueError`` on every device (one host sync per check: for debugging). ``"async"``: the device
+#: assert on every device (on CPU it raises ``RuntimeError`` at once; tests use it to run the GPU's
+#: code path on CPU). ``"off"``: no value checks.
+VALUE_CHECK_MODES = ("auto", "sync", "async", "off")
 _value_check_mode = os.environ.get("ICRL_VALUE_CHECKS", "auto").strip().lower()
 if _value_check_mode not in VALUE_CHECK_MODES:
     raise ValueError(f"ICRL_VALUE_CHECKS must be one of {VALUE_CHECK_MODES}, got {_value_check_mode!r}")
@@ -127,7 +129,7 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
     """
     if _value_check_mode == "off":
         return
-    if bad.device.type == "cpu" or _value_check_mode == "sync":
+    if _value_check_mode == "sync" or (_value_check_mode == "auto" and bad.device.type == "cpu"):
         if bool(bad):
             raise ValueError(message + (details() if details is not None else ""))
         return

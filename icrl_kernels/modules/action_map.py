@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import INT_DTYPES, check_int, check_positive_float, check_tensor
+from .._validation import INT_DTYPES, check_int, check_positive_float, check_tensor, check_values
 from ..contrastive import infonce_loss, orthonormal_embeddings, select_actions
 
 
@@ -80,8 +80,12 @@ class ActionMap(nn.Module):
         check_tensor(actions, "actions", dtypes=INT_DTYPES)
         embeddings = self._map()
         actions = actions.long()
-        if bool(((actions < -1) | (actions >= self.num_actions)).any()):
-            raise ValueError(f"actions must lie in [-1, {self.num_actions}), got values outside")
+        outside = (actions < -1) | (actions >= self.num_actions)
+        check_values(
+            outside.any(),
+            f"actions must lie in [-1, {self.num_actions})",
+            lambda: f", got e.g. {actions[outside][:5].tolist()}",
+        )
         index = actions.clamp_min(0)
         if self.per_sequence:
             if actions.dim() == 0 or actions.shape[0] != embeddings.shape[0]:
