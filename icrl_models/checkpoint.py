@@ -1,9 +1,27 @@
-"""Atomic, validated training checkpoints (resume after a kill; reject a corrupt file clearly)."""
+"""Atomic, checksummed training checkpoints (resume after a kill; reject a corrupt file clearly).
+
+File layout::
+
+    b"ICRLCKPT"        8-byte magic
+    sha256             32-byte SHA-256 digest of everything after it
+    payload            the payload dict as written by ``torch.save`` (a zip archive)
+
+``torch.save``'s zip archive does not protect the tensor bytes: a file with one flipped byte inside a
+weight loads without complaint. The digest covers every byte of the payload, so :func:`load_checkpoint`
+detects any corruption or truncation and raises :class:`CheckpointError` naming the file.
+
+Checkpoints written before the digest existed are plain ``torch.save`` archives (they start with the zip
+magic ``PK``). They still load, unverified, with a :class:`UncheckedCheckpointWarning`; the next save of a
+resumed run rewrites them in the checksummed layout.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,24 +29,40 @@ import torch
 
 CHECKPOINT_VERSION = 1
 REQUIRED_KEYS = ("version", "step", "config", "model", "optimizer", "rng")
+MAGIC = b"ICRLCKPT"
+_DIGEST_SIZE = hashlib.sha256().digest_size
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 class CheckpointError(ValueError):
     """A checkpoint is truncated, corrupt, or belongs to a different run configuration."""
 
 
+class UncheckedCheckpointWarning(UserWarning):
+    """A checkpoint without a checksum (written by an older version) was loaded without verification."""
+
+
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write ``payload`` (see :data:`REQUIRED_KEYS`) to ``path`` atomically: a temporary file in the same
-    folder, fsync, then rename, so a kill mid-write leaves the previous checkpoint intact."""
+    """Write ``payload`` (see :data:`REQUIRED_KEYS`) to ``path`` atomically with a SHA-256 digest: a
+    temporary file in the same folder, fsync, then rename, so a kill mid-write leaves the previous
+    checkpoint intact."""
+    if not isinstance(payload, dict):
+        raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
     path = Path(path)
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise ValueError(f"checkpoint payload lacks {missing}")
+    if not isinstance(payload["config"], dict):
+        raise TypeError(f"payload['config'] must be a dict, got {type(payload['config']).__name__}")
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getbuffer()
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
         with os.fdopen(handle, "wb") as file:
-            torch.save(payload, file)
+            file.write(MAGIC + hashlib.sha256(data).digest())
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -38,20 +72,47 @@ def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     return path
 
 
+def _read_payload_bytes(path: Path) -> bytes:
+    """The ``torch.save`` bytes of a checkpoint file, verified against its digest when it has one."""
+    raw = path.read_bytes()
+    if raw.startswith(MAGIC):
+        stored, data = raw[len(MAGIC) : len(MAGIC) + _DIGEST_SIZE], raw[len(MAGIC) + _DIGEST_SIZE :]
+        if len(stored) < _DIGEST_SIZE or hashlib.sha256(data).digest() != stored:
+            raise CheckpointError(f"{path} fails its SHA-256 checksum: the file is truncated or corrupt")
+        return data
+    if raw.startswith(_ZIP_MAGIC):
+        warnings.warn(
+            f"{path} has no checksum (a checkpoint from an older version): it is loaded unverified; "
+            "the next checkpoint save rewrites it with one",
+            UncheckedCheckpointWarning,
+            stacklevel=3,
+        )
+        return raw
+    raise CheckpointError(f"{path} is not a checkpoint: truncated or corrupt, or another kind of file")
+
+
 def load_checkpoint(path: str | os.PathLike, *, expect_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint` onto the CPU.
 
-    Raises :class:`CheckpointError` when the file cannot be read (truncated, corrupt, not a checkpoint),
-    lacks a field, has another version, or when ``expect_config`` is given and any of its keys differ
-    from the stored run config (resuming a different run would silently mix the two).
+    Raises :class:`CheckpointError` when the file cannot be read (not a checkpoint, truncated, a byte
+    changed: the SHA-256 digest does not match), lacks a field, has another version or a stored config
+    that is not a dict, or when ``expect_config`` is given and any of its keys differ from the stored
+    run config (resuming a different run would silently mix the two). A checkpoint without a digest
+    (older versions) loads with an :class:`UncheckedCheckpointWarning`.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
+    if expect_config is not None and not isinstance(expect_config, dict):
+        raise TypeError(f"expect_config must be a dict or None, got {type(expect_config).__name__}")
+    data = _read_payload_bytes(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError... for bad files
-        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt): {error}") from None
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # RuntimeError, UnpicklingError, EOFError...: torch's messages span many lines
+        raise CheckpointError(
+            f"{path} is not a readable checkpoint: truncated or corrupt, or not written by save_checkpoint "
+            f"({type(error).__name__} while unpickling)"
+        ) from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path} does not hold a checkpoint dict")
     missing = [key for key in REQUIRED_KEYS if key not in payload]
@@ -59,8 +120,10 @@ def load_checkpoint(path: str | os.PathLike, *, expect_config: dict[str, Any] | 
         raise CheckpointError(f"{path} lacks {missing}")
     if payload["version"] != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path} has checkpoint version {payload['version']}, expected {CHECKPOINT_VERSION}")
+    stored = payload["config"]
+    if not isinstance(stored, dict):
+        raise CheckpointError(f"{path} holds a config of type {type(stored).__name__}, expected a dict")
     if expect_config is not None:
-        stored = payload["config"]
         differing = sorted(key for key in expect_config if stored.get(key) != expect_config[key])
         if differing:
             details = ", ".join(f"{key}: {stored.get(key)!r} != {expect_config[key]!r}" for key in differing[:5])

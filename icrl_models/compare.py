@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ._cli import command_line
 from .config import add_config_arguments, config_from_args
 from .data import generate_histories, save_histories
+from .data.generate import ENV_NAMES
 from .plots import plot_curves
 from .train import TrainConfig, train
 
@@ -75,6 +77,14 @@ class CompareConfig:
     seed: int = 0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked here, before the sweep generates data, not when the first TrainConfig is built.
+        if self.env not in ENV_NAMES:
+            raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
+        for name in ("runs", "steps", "num_histories", "source_episodes", "eval_episodes", "eval_envs_per_task"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
 
 def compare(config: CompareConfig) -> dict:
     out = Path(config.out_dir)
@@ -120,6 +130,7 @@ def compare(config: CompareConfig) -> dict:
     return result
 
 
+@command_line("icrl-compare")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="icrl-compare", description=__doc__)
     add_config_arguments(parser, CompareConfig)

@@ -53,8 +53,16 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
 
 
 def config_from_args(config_class: type[Config], args: argparse.Namespace) -> Config:
-    """Build ``config_class`` from the parsed options added by :func:`add_config_arguments`."""
-    return config_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(config_class)})
+    """Build ``config_class`` from the parsed options added by :func:`add_config_arguments`.
+
+    The config's own checks (``__post_init__``) judge the user's flags, so a ``TypeError`` they raise is
+    reported like a ``ValueError``: as :class:`~icrl_models._cli.UsageError` (one line, exit status 2)."""
+    from ._cli import UsageError
+
+    try:
+        return config_class(**{field.name: getattr(args, field.name) for field in dataclasses.fields(config_class)})
+    except TypeError as error:
+        raise UsageError(str(error)) from error
 
 
 def fill_from_preset(config: Any, presets: Mapping[str, Mapping[str, Any]]) -> None:

@@ -20,6 +20,8 @@ from tqdm import tqdm
 from icrl_kernels import NGramAttention, NGramDecodeState, ngram_attention, resolve_backend, transition_ids
 from icrl_kernels.testing import relative_rms_error
 
+from ._cli import command_line, non_negative_int, positive_int
+
 NUM_STATES, NUM_ACTIONS, NUM_REWARDS = 81, 5, 2
 
 
@@ -98,16 +100,18 @@ def run(config: DemoConfig) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=DemoConfig.batch)
-    parser.add_argument("--dim", type=int, default=DemoConfig.dim)
-    parser.add_argument("--n", type=int, default=DemoConfig.n)
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(DemoConfig.lengths))
-    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
+@command_line("icrl-demo")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="icrl-demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=positive_int, default=DemoConfig.batch)
+    parser.add_argument("--dim", type=positive_int, default=DemoConfig.dim)
+    parser.add_argument("--n", type=positive_int, default=DemoConfig.n)
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=list(DemoConfig.lengths))
+    parser.add_argument("--seed", type=non_negative_int, default=DemoConfig.seed)
     args = parser.parse_args(argv)
     run(DemoConfig(batch=args.batch, dim=args.dim, n=args.n, lengths=tuple(args.lengths), seed=args.seed))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

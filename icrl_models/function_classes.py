@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._checks import check_generator, check_int
+
 FUNCTION_CLASSES: tuple[str, ...] = ("linear_regression", "sparse_linear_regression", "decision_tree", "relu_2nn")
 BASELINES: tuple[str, ...] = ("least_squares", "averaging", "3nn")
 
@@ -110,11 +112,10 @@ def sample_prompts(
         ``xs [B, k, d]`` and ``ys [B, k]``, fp32 on ``device``.
     """
     d = config.n_dims
-    active = d if active_dims is None else int(active_dims)
-    if not 1 <= active <= d:
-        raise ValueError(f"active_dims must be in [1, {d}], got {active_dims}")
-    if batch < 1 or n_points < 1:
-        raise ValueError(f"batch and n_points must be >= 1, got {batch} and {n_points}")
+    active = d if active_dims is None else check_int(active_dims, "active_dims", low=1, high=d)
+    batch = check_int(batch, "batch", low=1)
+    n_points = check_int(n_points, "n_points", low=1)
+    check_generator(generator)
     mask = _active_mask(d, active, "cpu").float()
     xs = torch.randn(batch, n_points, d, generator=generator) * mask
     if config.name in ("linear_regression", "sparse_linear_regression"):

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from ._checks import check_seed
 from .data.histories import FORMAT_VERSION, LearningHistories
 from .envs.base import BatchedEnv
 
@@ -227,7 +228,7 @@ GENERATORS: dict[str, type[Agent]] = {
 
 
 def make_agent(name: str, **settings) -> Agent:
-    if name not in GENERATORS:
+    if not isinstance(name, str) or name not in GENERATORS:
         raise ValueError(f"generator must be one of {tuple(GENERATORS)}, got {name!r}")
     fields = {field.name for field in dataclasses.fields(GENERATORS[name])}
     unknown = set(settings) - fields
@@ -271,6 +272,10 @@ def collect_histories(
     """
     if isinstance(num_episodes, bool) or not isinstance(num_episodes, (int, np.integer)) or num_episodes < 1:
         raise ValueError(f"num_episodes must be an int >= 1, got {num_episodes}")
+    if not isinstance(env, BatchedEnv):
+        raise TypeError(f"env must be a BatchedEnv, got {type(env).__name__}")
+    if not isinstance(agent, Agent):
+        raise TypeError(f"agent must be an Agent (see make_agent), got {type(agent).__name__}")
     num_envs, capacity = env.num_envs, num_episodes * env.episode_length
     state_shape = (num_envs, capacity, env.observation_dim) if env.observation_dim else (num_envs, capacity)
     states = np.zeros(state_shape, dtype=_state_dtype(env))
@@ -280,7 +285,7 @@ def collect_histories(
     lengths = np.zeros(num_envs, dtype=np.int64)
     episode = np.zeros(num_envs, dtype=np.int64)
 
-    agent.begin(env, num_episodes, np.random.default_rng(seed))
+    agent.begin(env, num_episodes, np.random.default_rng(check_seed(seed)))
     observations = env.reset()
     active = np.ones(num_envs, dtype=bool)
     bar = tqdm(total=num_episodes, desc=f"{agent.name} on {env.name}", unit="episode", disable=not progress)

@@ -99,7 +99,13 @@ def read_gpt2_config(directory: str | os.PathLike) -> dict:
 def _read_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         return _safetensors().load_file(str(path), device="cpu")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch's messages for a bad file span many lines of "weights_only" advice
+        raise ValueError(
+            f"{path} is not a readable PyTorch weights file ({type(error).__name__}: truncated, corrupt, "
+            "or holding objects other than tensors)"
+        ) from None
     if not isinstance(state, dict):
         raise ValueError(f"{path} does not hold a state dict")
     return state

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._cli import command_line
 from .config import add_config_arguments, config_from_args
 from .data import generate_histories, save_histories
 from .train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
@@ -236,16 +237,13 @@ def plot_scores(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+@command_line("icrl-headless")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="icrl-headless", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser, HeadlessExperimentConfig)
-    try:
-        results = run_experiment(config_from_args(HeadlessExperimentConfig, parser.parse_args(argv)))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"icrl-headless: error: {error}", file=sys.stderr)
-        return 2
+    results = run_experiment(config_from_args(HeadlessExperimentConfig, parser.parse_args(argv)))
     print(results_table(results))
     return 0
 

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from icrl_kernels._backend import BACKENDS
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 
+from ._cli import command_line
 from .analysis.induction import (
     attention_sites,
     capture_attention,
@@ -564,16 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("icrl-induction")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("phase-change", "ad-report", "-h", "--help"):
         argv.insert(0, "phase-change")  # the experiment is the default command
     args = build_parser().parse_args(argv)
-    try:
-        return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"icrl-induction: error: {error}", file=sys.stderr)
-        return 2
+    return args.handler(args)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ._cli import command_line, resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
 from .function_classes import (
@@ -166,7 +167,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
 
     History: ``{"loss": [per step, normalised], "eval_steps": [...], "eval_error_at_k": [...], "wall_s"}``.
     """
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = LoopedTransformer(config.model_config(looped)).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
@@ -226,7 +227,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
 @torch.no_grad()
 def evaluate(config: LoopedExperimentConfig, looped_model, unlooped_model) -> dict:
     """Errors vs examples (models and baselines) and the looped model's error vs loops, on fresh prompts."""
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     function_class = config.function_class()
     generator = torch.Generator().manual_seed(config.seed + 12345)
     xs, ys = sample_prompts(function_class, config.eval_prompts, config.n_points, generator=generator, device=device)
@@ -370,17 +371,14 @@ def plot_results(report: dict, path: Path) -> None:
     plt.close(figure)
 
 
+@command_line("icrl-looped")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="icrl-looped", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser, LoopedExperimentConfig)
     args = parser.parse_args(argv)
-    try:
-        report = run_experiment(config_from_args(LoopedExperimentConfig, args))
-    except ValueError as error:
-        print(f"icrl-looped: error: {error}", file=sys.stderr)
-        return 2
+    report = run_experiment(config_from_args(LoopedExperimentConfig, args))
     print(format_summary(report))
     print(f"wrote {Path(args.out_dir) / 'looped.json'}, looped.md and looped.png")
     return 0

@@ -58,6 +58,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ._cli import command_line
+from ._cli import resolve_device as _resolve_device
 from .analysis.markov import MarkovReport, g_markov, markov_heads
 from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
 from .envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
@@ -260,9 +262,8 @@ def task_data(task: Task, config: MarkovConfig, seed: int):
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``--device`` as a torch device that exists here (a clear error for ``cuda`` without CUDA)."""
+    return _resolve_device(name)
 
 
 def build_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict]:
@@ -687,14 +688,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@command_line("icrl-markov")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = config_from_args(MarkovConfig, args)
-        report = run_experiment(config)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"icrl-markov: error: {error}", file=sys.stderr)
-        return 2
+    config = config_from_args(MarkovConfig, args)
+    report = run_experiment(config)
     print(format_summary(report))
     out_dir = Path(config.out_dir)
     print(f"wrote {out_dir / 'markov.json'}, {out_dir / 'markov.md'} and {out_dir / 'markov.png'}")

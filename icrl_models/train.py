@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import CHECKPOINT_VERSION, CheckpointError, load_checkpoint, save_checkpoint
+from ._cli import command_line
+from ._cli import resolve_device as _resolve_device
+from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, config_from_args
 from .data import (
     GenerateConfig,
@@ -138,6 +140,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if any(n < 1 for n in self.ngram_tuple()):  # also rejects a malformed list, before any data is generated
+            raise ValueError(f"ngram_sizes must be comma-separated ints >= 1, got {self.ngram_sizes!r}")
 
     def ngram_tuple(self) -> tuple[int, ...]:
         if self.model != "ngram_ad" or not self.ngram_sizes.strip():
@@ -229,9 +235,8 @@ def learning_rate_at(step: int, config: TrainConfig) -> float:
 
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """``config.device`` as a torch device that exists here (a clear error for ``cuda`` without CUDA)."""
+    return _resolve_device(name, local_rank=local_rank)
 
 
 class Distributed:
@@ -412,17 +417,13 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
         )
 
 
+@command_line("icrl-train")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="icrl-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_config_arguments(parser, TrainConfig)
-    args = parser.parse_args(argv)
-    try:
-        train(config_from_args(TrainConfig, args))
-    except (CheckpointError, ValueError, FileNotFoundError) as error:
-        print(f"icrl-train: error: {error}", file=sys.stderr)
-        return 2
+    train(config_from_args(TrainConfig, parser.parse_args(argv)))
     return 0
 
 

@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
+from .._cli import command_line
 from ..config import add_config_arguments, config_from_args
 from ..plots import plot_curves
 from .generate import GenerateConfig, generate_histories
-from .histories import DatasetError, LearningHistories
+from .histories import LearningHistories
 from .storage import load_histories, save_histories
 
 
@@ -83,6 +84,7 @@ def _describe(histories: LearningHistories) -> str:
     return "\n".join(lines)
 
 
+@command_line("icrl-data")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="icrl-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -97,23 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("path")
     args = parser.parse_args(argv)
 
-    try:
-        if args.command == "generate":
-            config = config_from_args(GenerateConfig, args)
-            start = time.perf_counter()
-            histories = generate_histories(config, progress=not args.no_progress)
-            path = save_histories(histories, args.output)
-            print(_describe(histories))
-            print(f"wrote        {path} in {time.perf_counter() - start:.1f} s")
-        else:
-            histories = load_histories(args.path)
-            print(_describe(histories))
-        if args.plot:
-            plot_learning_curve(histories, args.plot)
-            print(f"plot         {args.plot}")
-    except (DatasetError, ValueError, FileNotFoundError) as error:
-        print(f"icrl-data: error: {error}", file=sys.stderr)
-        return 2
+    if args.command == "generate":
+        config = config_from_args(GenerateConfig, args)
+        start = time.perf_counter()
+        histories = generate_histories(config, progress=not args.no_progress)
+        path = save_histories(histories, args.output)
+        print(_describe(histories))
+        print(f"wrote        {path} in {time.perf_counter() - start:.1f} s")
+    else:
+        histories = load_histories(args.path)
+        print(_describe(histories))
+    if args.plot:
+        plot_learning_curve(histories, args.plot)
+        print(f"plot         {args.plot}")
     return 0
 
 

@@ -83,6 +83,9 @@ class GenerateConfig:
         for name in ("num_histories", "num_episodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seed", "split_seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def arm_counts(self) -> int | tuple[int, int]:
         low, _, high = self.num_arms.partition("-")

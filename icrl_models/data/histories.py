@@ -100,17 +100,60 @@ def _fail(message: str) -> None:
     raise DatasetError(message)
 
 
-def _validate(histories: LearningHistories) -> None:
-    meta = histories.metadata
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _validate_metadata(meta: Any) -> None:
+    """The metadata fields validation and loaders read, with their types (a header written by hand or by
+    another tool could hold ``"num_actions": "5"``, which would otherwise fail as a bare ``int()`` error)."""
+    if not isinstance(meta, dict):
+        _fail(f"metadata must be a dict, got {type(meta).__name__}")
     missing = [key for key in REQUIRED_METADATA if key not in meta]
     if missing:
         _fail(f"metadata lacks {missing}")
     if meta["format_version"] != FORMAT_VERSION:
-        _fail(f"format_version {meta['format_version']} is not supported (this library reads {FORMAT_VERSION})")
+        _fail(f"format_version {meta['format_version']!r} is not supported (this library reads {FORMAT_VERSION})")
     env = meta["env"]
+    if not isinstance(env, dict):
+        _fail(f"metadata['env'] must be a dict, got {type(env).__name__}")
     missing = [key for key in REQUIRED_ENV_METADATA if key not in env]
     if missing:
         _fail(f"metadata['env'] lacks {missing}")
+    if not isinstance(env["name"], str):
+        _fail(f"metadata['env']['name'] must be a string, got {env['name']!r}")
+    if not isinstance(env["config"], dict):
+        _fail(f"metadata['env']['config'] must be a dict, got {env['config']!r}")
+    for key, low in (("num_actions", 1), ("num_observations", 0), ("observation_dim", 0)):
+        if not _is_int(env[key]) or env[key] < low:
+            _fail(f"metadata['env'][{key!r}] must be an int >= {low}, got {env[key]!r}")
+    reward_range = env["reward_range"]
+    if (
+        not isinstance(reward_range, (list, tuple))
+        or len(reward_range) != 2
+        or not all(_is_real(v) for v in reward_range)
+        or not reward_range[0] <= reward_range[1]
+    ):
+        _fail(f"metadata['env']['reward_range'] must be [low, high] numbers with low <= high, got {reward_range!r}")
+    generator = meta["generator"]
+    if not isinstance(generator, dict) or not isinstance(generator.get("name"), str):
+        _fail(f"metadata['generator'] must be a dict with a string 'name', got {generator!r}")
+    if not isinstance(generator.get("config", {}), dict):
+        _fail(f"metadata['generator']['config'] must be a dict, got {generator['config']!r}")
+    if not _is_int(meta["num_episodes"]) or meta["num_episodes"] < 1:
+        _fail(f"metadata['num_episodes'] must be an int >= 1, got {meta['num_episodes']!r}")
+    if meta["split"] is not None and not isinstance(meta["split"], str):
+        _fail(f"metadata['split'] must be a string or null, got {meta['split']!r}")
+
+
+def _validate(histories: LearningHistories) -> None:
+    meta = histories.metadata
+    _validate_metadata(meta)
+    env = meta["env"]
 
     actions = histories.actions
     if actions.ndim != 2:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .._checks import is_integer
 from .histories import LearningHistories
 
 #: Steps handled at once while indexing subsampled streams (bounds temporary memory).
@@ -43,6 +44,8 @@ class HistoryWindows(Dataset):
     """
 
     def __init__(self, histories: LearningHistories, seq_len: int, *, episode_subsample: int = 1, stride: int = 1):
+        if not isinstance(histories, LearningHistories):
+            raise TypeError(f"histories must be LearningHistories, got {type(histories).__name__}")
         for name, value in (("seq_len", seq_len), ("episode_subsample", episode_subsample), ("stride", stride)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -91,6 +94,9 @@ class HistoryWindows(Dataset):
         return int(self._first_window[-1])
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not is_integer(index):
+            raise TypeError(f"index must be an int, got {type(index).__name__} {index!r}")
+        index = int(index)
         if not -len(self) <= index < len(self):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         batch = self.get_batch(np.array([index % len(self)]))
@@ -98,7 +104,15 @@ class HistoryWindows(Dataset):
 
     def get_batch(self, indices) -> dict[str, torch.Tensor]:
         """The windows ``indices`` (``[B]`` ints) stacked along a leading batch dimension."""
-        indices = np.asarray(indices, dtype=np.int64)
+        if isinstance(indices, torch.Tensor):
+            indices = indices.numpy(force=True)
+        indices = np.asarray(indices)
+        if indices.size == 0 and indices.dtype.kind == "f":
+            indices = indices.astype(np.int64)  # an empty list has numpy's default float dtype
+        # A float index would be truncated by the int64 conversion (window 2.7 read as window 2).
+        if indices.dtype.kind not in "iu":
+            raise TypeError(f"indices must hold integers, got dtype {indices.dtype}")
+        indices = indices.astype(np.int64, copy=False)
         if indices.ndim != 1 or (indices.size and (indices.min() < 0 or indices.max() >= len(self))):
             raise IndexError(f"indices must be a 1-D array in [0, {len(self)})")
         stream = np.searchsorted(self._first_window, indices, side="right") - 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_finite, check_float, check_int
 from .base import BatchedEnv, as_index_array, check_positive_int
 
 BERNOULLI_DISTRIBUTIONS = ("train", "mirrored", "uniform")
@@ -21,11 +22,20 @@ def _arm_counts(rng: np.random.Generator, num_bandits: int, num_arms) -> np.ndar
     """``[num_bandits]`` arm counts: a fixed int, or uniform over an inclusive ``(low, high)`` range."""
     if isinstance(num_arms, (int, np.integer)):
         low = high = check_positive_int(num_arms, "num_arms")
-    else:
+    elif isinstance(num_arms, (tuple, list)) and len(num_arms) == 2:
         low, high = (check_positive_int(v, "num_arms") for v in num_arms)
         if low > high:
             raise ValueError(f"num_arms range must have low <= high, got {num_arms}")
+    else:
+        raise TypeError(f"num_arms must be an int or an inclusive (low, high) pair of ints, got {num_arms!r}")
     return rng.integers(low, high + 1, size=num_bandits)
+
+
+def _seed_words(seed) -> list[int]:
+    """A task-distribution seed (a non-negative int, or a list of them) as the words of a seed sequence."""
+    if isinstance(seed, (list, tuple)):
+        return [check_int(word, "seed", low=0) for word in seed]
+    return [check_int(seed, "seed", low=0)]
 
 
 def bernoulli_arm_means(
@@ -41,7 +51,7 @@ def bernoulli_arm_means(
     if distribution not in BERNOULLI_DISTRIBUTIONS:
         raise ValueError(f"distribution must be one of {BERNOULLI_DISTRIBUTIONS}, got {distribution!r}")
     num_bandits = check_positive_int(num_bandits, "num_bandits")
-    rng = np.random.default_rng([seed, BERNOULLI_DISTRIBUTIONS.index(distribution)])
+    rng = np.random.default_rng([*_seed_words(seed), BERNOULLI_DISTRIBUTIONS.index(distribution)])
     counts = _arm_counts(rng, num_bandits, num_arms)
     width = int(counts.max())
     uniform = rng.random((num_bandits, width))
@@ -67,7 +77,7 @@ def contextual_bandit_arms(
     """
     num_bandits = check_positive_int(num_bandits, "num_bandits")
     dim = check_positive_int(dim, "dim")
-    rng = np.random.default_rng([seed, 7])
+    rng = np.random.default_rng([*_seed_words(seed), 7])
     counts = _arm_counts(rng, num_bandits, num_arms)
     arms = rng.normal(0.0, 1.0 / np.sqrt(dim), size=(num_bandits, int(counts.max()), dim))
     arms *= (np.arange(arms.shape[1])[None, :] < counts[:, None])[:, :, None]
@@ -112,8 +122,8 @@ class BernoulliBandit(_ArmedBandit):
         means = np.asarray(means, dtype=np.float64)
         if means.ndim != 2 or means.size == 0:
             raise ValueError(f"means must be a non-empty [num_envs, max_arms] array, got shape {means.shape}")
-        if not np.all((means >= 0) & (means <= 1)):
-            raise ValueError("means must lie in [0, 1]")
+        if not np.all((means >= 0) & (means <= 1)):  # False for NaN too
+            raise ValueError("means must lie in [0, 1] (and not be NaN)")
         super().__init__(num_arms, means.shape[1], means.shape[0], episode_length, seed, task_ids)
         self.means = means
 
@@ -181,8 +191,8 @@ class ContextualBandit(_ArmedBandit):
         arms = np.asarray(arms, dtype=np.float64)
         if arms.ndim != 3 or arms.size == 0:
             raise ValueError(f"arms must be a non-empty [num_envs, max_arms, dim] array, got shape {arms.shape}")
-        if not noise_std >= 0:
-            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
+        check_finite(arms, "arms")
+        noise_std = check_float(noise_std, "noise_std", low=0.0)
         super().__init__(num_arms, arms.shape[1], arms.shape[0], episode_length, seed, task_ids)
         self.arms = arms
         self.noise_std = float(noise_std)

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._checks import check_seed
+
 
 class StepResult(NamedTuple):
     """What :meth:`BatchedEnv.step` returns for all ``N`` environments."""
@@ -72,7 +74,7 @@ class BatchedEnv:
         self.num_envs = check_positive_int(num_envs, "num_envs")
         self.num_actions = check_positive_int(num_actions, "num_actions")
         self.episode_length = check_positive_int(episode_length, "episode_length")
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(check_seed(seed))
         self.elapsed_steps = np.zeros(self.num_envs, dtype=np.int64)
         self._needs_reset = np.ones(self.num_envs, dtype=bool)
         self._all = np.arange(self.num_envs)

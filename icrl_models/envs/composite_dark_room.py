@@ -14,6 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from .._checks import check_int
 from .base import as_index_array
 from .grid import MOVE_NAMES, NUM_MOVES, GoalGridEnv, centre_cell, move_table
 
@@ -24,15 +25,14 @@ NUM_TRAIN_ACTIONS = 50
 
 
 def action_moves(actions) -> np.ndarray:
-    """``[..., 3]`` atomic move ids of composite action ids ``[...]``."""
-    actions = np.asarray(actions)
+    """``[..., 3]`` atomic move ids of composite action ids ``[...]`` (integers in ``[0, 125)``)."""
+    actions = as_index_array(actions, "actions", low=0, high=NUM_COMPOSITE_ACTIONS)
     return np.stack([actions // NUM_MOVES**2, (actions // NUM_MOVES) % NUM_MOVES, actions % NUM_MOVES], axis=-1)
 
 
 def action_name(action: int) -> str:
     """``"up-up-right"`` for a composite action id."""
-    if not 0 <= action < NUM_COMPOSITE_ACTIONS:
-        raise ValueError(f"action must lie in [0, {NUM_COMPOSITE_ACTIONS}), got {action}")
+    action = check_int(action, "action", low=0, high=NUM_COMPOSITE_ACTIONS - 1)
     return "-".join(MOVE_NAMES[m] for m in action_moves(action))
 
 
@@ -57,7 +57,7 @@ def composite_action_sets(seed: int = 0) -> dict[str, np.ndarray]:
     * ``test``: the other 75; ``sliced_test``: the first 50 of ``test`` (the training set's size);
     * ``all``: ``train`` followed by ``test`` (125 actions).
     """
-    rng = np.random.default_rng([seed, 125])
+    rng = np.random.default_rng([check_int(seed, "seed", low=0), 125])
     order = rng.permutation(NUM_COMPOSITE_ACTIONS)
     train, test = order[:NUM_TRAIN_ACTIONS], order[NUM_TRAIN_ACTIONS:]
     return {

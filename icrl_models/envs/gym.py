@@ -12,9 +12,14 @@ Each registered id wraps one environment of the batched implementation, so both 
 
 ``reset(seed=...)`` reseeds the environment's generator; ``step`` returns ``(observation, reward,
 terminated, truncated, info)``. Actions are indices into the environment's own action list: for
-composite Darkroom ``info["action_ids"]`` at reset maps them to global ids. The ids are registered
-with gymnasium when :mod:`icrl_models.envs` is imported and gymnasium is installed, so
-``gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0", goal=10)`` works from a fresh interpreter.
+composite Darkroom ``info["action_ids"]`` at reset maps them to global ids.
+
+Registration: the ids are registered with gymnasium when :mod:`icrl_models.envs` is imported and
+gymnasium is installed. The package also declares a ``gymnasium.envs`` entry point
+(:func:`register_gymnasium_envs`), which gymnasium 0.26-0.29 runs on ``import gymnasium``, so there a
+plain ``gymnasium.make("icrl/DarkRoom-v0")`` works from a fresh interpreter. Gymnasium 1.0 removed
+that plugin mechanism: there, name the module in the id, ``gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0",
+goal=10)`` (gymnasium imports it first), or ``import icrl_models.envs`` before ``gymnasium.make``.
 Without gymnasium the classes still work, without ``action_space`` / ``observation_space``.
 """
 
@@ -22,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_seed, is_integer
 from .bandits import BernoulliBandit, ContextualBandit
-from .base import BatchedEnv
+from .base import BatchedEnv, as_index_array
 from .composite_dark_room import ACTION_SET_NAMES, CompositeDarkRoom, composite_action_sets
 from .dark_room import DarkRoom
 from .key_to_door import KeyToDoor
@@ -49,12 +55,16 @@ class SingleEnv(_Base):
     metadata = {"render_modes": []}
 
     def __init__(self, batched: BatchedEnv, action_ids=None) -> None:
+        if not isinstance(batched, BatchedEnv):
+            raise TypeError(f"batched must be a BatchedEnv, got {type(batched).__name__}")
         if batched.num_envs != 1:
             raise ValueError(f"SingleEnv wraps a batched env with num_envs == 1, got {batched.num_envs}")
         self.batched = batched
         if action_ids is None:
             action_ids = np.flatnonzero(batched.action_mask()[0])
-        self.action_ids = np.asarray(action_ids, dtype=np.int64)
+        self.action_ids = as_index_array(action_ids, "action_ids", low=0, high=batched.num_actions)
+        if self.action_ids.ndim != 1 or self.action_ids.size == 0:
+            raise ValueError(f"action_ids must be a non-empty 1-D array, got shape {self.action_ids.shape}")
         if gymnasium is not None:
             self.action_space = spaces.Discrete(self.action_ids.size)
             if batched.observation_dim:
@@ -66,6 +76,9 @@ class SingleEnv(_Base):
         return observations[0] if self.batched.observation_dim else int(observations[0])
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is not None and not is_integer(seed):  # gymnasium's reset seeds with ints only
+            raise TypeError(f"seed must be None or a non-negative int, got {type(seed).__name__} {seed!r}")
+        seed = check_seed(seed)
         if gymnasium is not None:
             super().reset(seed=seed)
         if seed is not None:
@@ -74,9 +87,14 @@ class SingleEnv(_Base):
         return self._observation(observations), {"action_ids": self.action_ids.copy()}
 
     def step(self, action):
+        # int(1.7) would silently act as action 1: accept integers only (int, numpy integer, 0-d tensor).
+        if not is_integer(action):
+            raise TypeError(
+                f"action must be an int in [0, {self.action_ids.size}), got {type(action).__name__} {action!r}"
+            )
         index = int(action)
         if not 0 <= index < self.action_ids.size:
-            raise ValueError(f"action must lie in [0, {self.action_ids.size}), got {action}")
+            raise ValueError(f"action must lie in [0, {self.action_ids.size}), got {index}")
         result = self.batched.step(self.action_ids[index : index + 1])
         return (
             self._observation(result.observations),
@@ -125,10 +143,18 @@ GYM_IDS = {
 
 
 def register_gymnasium_envs() -> bool:
-    """Register :data:`GYM_IDS` with gymnasium (idempotent); False when gymnasium is not installed."""
+    """Register :data:`GYM_IDS` with gymnasium (idempotent); False when gymnasium is not installed.
+
+    Also the ``gymnasium.envs`` entry point of this package (``pyproject.toml``): gymnasium 0.29 calls it
+    while ``import gymnasium`` is still running, inside ``namespace("icrl")``. The registry is therefore
+    taken from ``gymnasium.envs.registration`` (the ``gymnasium.registry`` attribute does not exist yet
+    then), and the entry points are strings, so nothing is imported until an environment is made.
+    """
     if gymnasium is None:
         return False
+    from gymnasium.envs.registration import register, registry
+
     for env_id, factory in GYM_IDS.items():
-        if env_id not in gymnasium.registry:
-            gymnasium.register(id=env_id, entry_point=f"{__name__}:{factory.__name__}")
+        if env_id not in registry:
+            register(id=env_id, entry_point=f"{__name__}:{factory.__name__}")
     return True

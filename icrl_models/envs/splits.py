@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_int
 from .base import check_positive_int
 
 #: Training-task counts used when none is given: Dark Room as the N-gram paper's main runs (60 of 81
@@ -34,7 +35,7 @@ def task_split(num_tasks: int, num_train: int, *, seed: int = 0) -> dict[str, np
     num_tasks = check_positive_int(num_tasks, "num_tasks")
     if isinstance(num_train, bool) or not isinstance(num_train, (int, np.integer)) or not 0 < num_train < num_tasks:
         raise ValueError(f"num_train must be an int in [1, {num_tasks - 1}], got {num_train}")
-    order = np.random.default_rng([seed, num_tasks]).permutation(num_tasks)
+    order = np.random.default_rng([check_int(seed, "seed", low=0), num_tasks]).permutation(num_tasks)
     return {"train": np.sort(order[:num_train]), "test": np.sort(order[num_train:])}
 
 
@@ -42,7 +43,7 @@ def grid_task_split(
     env_name: str, *, num_train: int | None = None, size: int = 9, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """The train/test split of a grid environment's tasks (see the module docstring for task ids)."""
-    total = num_grid_tasks(env_name, size)
+    total = num_grid_tasks(env_name, check_positive_int(size, "size"))
     if num_train is None:
         num_train = round(DEFAULT_NUM_TRAIN_TASKS[env_name] * total / num_grid_tasks(env_name))
     return task_split(total, num_train, seed=seed)

@@ -25,6 +25,8 @@ from torch import nn
 
 from icrl_kernels import NGramAttention, transition_ids
 
+from .._checks import check_float, check_generator, check_int
+
 NGRAM_TOKEN_MODES = ("state", "transition")
 
 
@@ -56,7 +58,16 @@ class ADConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        self.ngram_sizes = tuple(int(n) for n in self.ngram_sizes)
+        for name in ("num_states", "num_actions", "num_rewards", "seq_len", "d_model", "num_heads"):
+            check_int(getattr(self, name), name, low=1)
+        for name in ("observation_dim", "num_layers"):
+            check_int(getattr(self, name), name, low=0)
+        for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
+            if not 0.0 <= check_float(getattr(self, name), name, low=0.0) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if isinstance(self.ngram_sizes, (str, bytes)) or not hasattr(self.ngram_sizes, "__iter__"):
+            raise TypeError(f"ngram_sizes must be a tuple of ints, got {self.ngram_sizes!r}")
+        self.ngram_sizes = tuple(check_int(n, "ngram_sizes", low=1) for n in self.ngram_sizes)
         if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
             raise ValueError(f"d_model ({self.d_model}) must split into num_heads ({self.num_heads}) even widths")
         if self.ngram_tokens not in NGRAM_TOKEN_MODES:
@@ -294,6 +305,7 @@ class ADModel(nn.Module):
     ) -> torch.Tensor:
         """Actions ``[B]`` for one new step: a draw from the softmax over ``available [B, A]`` actions
         (``sample``, with ``generator``) or the argmax."""
+        check_generator(generator)
         num_actions, offered = self.config.num_actions, available.shape[1]
         if offered > num_actions:
             raise ValueError(

@@ -40,6 +40,7 @@ from torch import nn
 from icrl_kernels._backend import BACKENDS
 from icrl_kernels.modules.gpt2_block import GPT2Block
 
+from .._checks import check_generator
 from ..data.histories import LearningHistories
 from ..envs.base import BatchedEnv
 
@@ -291,6 +292,7 @@ class DecisionTransformerMoA(nn.Module):
         group-summed inputs, which is largest for the token itself: it attends to the last input token,
         the behaviour of GPT-2's Markov heads. The heads' ``q, k`` biases are zeroed; ``v`` is untouched.
         """
+        check_generator(generator)
         attn = self.blocks[layer].attn
         d, head_dim = attn.d_model, attn.head_dim
         pattern = (torch.arange(d)[:, None] % head_dim == torch.arange(head_dim)[None, :]).float()  # [D, Dh]
@@ -327,6 +329,7 @@ class DecisionTransformerMoA(nn.Module):
     ) -> torch.Tensor:
         """Actions ``[B]`` for the last step of contexts ``[B, T]`` (the last ``context_len`` steps are
         used; ``actions[:, -1]`` is a placeholder): a softmax draw (``sample``) or the argmax."""
+        check_generator(generator)
         k = self.config.context_len
         rtg, states, actions, timesteps = (t[:, -k:] for t in (rtg, states, actions, timesteps))
         logits = self(rtg, states, actions, timesteps)[:, -1].float()

@@ -37,6 +37,7 @@ from torch import nn
 
 from icrl_kernels import ActionMap
 
+from .._checks import check_generator
 from .ad import ADModel, Block, CausalSelfAttention, KVCache
 
 
@@ -219,6 +220,7 @@ class HeadlessADModel(nn.Module):
 
         ``trained``: the module whose forward runs (this model, default, or its DDP wrapper)."""
         available = batch["available"]
+        check_generator(generator)
         self.action_map.regenerate(num_actions=available.shape[1], generator=generator, device=self.device)
         trained = self if trained is None else trained
         pred = trained(batch["states"], batch["local_prev_actions"], batch["prev_rewards"], available)
@@ -229,6 +231,7 @@ class HeadlessADModel(nn.Module):
         self, batch: int, max_steps: int, *, available: torch.Tensor, generator: torch.Generator | None = None
     ) -> HeadlessDecodeState:
         """Draw the rollout's action map (one for all rows, as in the paper) and cache the prompt."""
+        check_generator(generator)
         self.action_map.regenerate(num_actions=available.shape[1], generator=generator, device=self.device)
         return HeadlessDecodeState(self, available.to(self.device))
 

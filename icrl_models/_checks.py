@@ -1,0 +1,100 @@
+"""Argument checks shared by the public constructors and functions of :mod:`icrl_models`.
+
+Each check raises ``TypeError`` for a value of the wrong kind and ``ValueError`` for a value of the
+right kind out of range, and names the argument, so that a caller's mistake is reported where it is
+made instead of as an ``AttributeError`` or a bare ``int()`` error deep inside numpy or torch.
+"""
+
+from __future__ import annotations
+
+import numbers
+import sys
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is not imported here: the environments (and gymnasium's plugin loading) use these checks and
+# must not pay torch's seconds-long import. A value can only be a tensor if torch is already imported.
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_integer(value) -> bool:
+    """True for a Python int or numpy integer, or a 0-d integer numpy array / torch tensor (not bool)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return True
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "iu"
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return (
+            value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+        )
+    return False
+
+
+def check_int(value, name: str, *, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as a Python int, checked to be an integer (not a bool or a float such as ``4.0``) in
+    ``[low, high]`` (inclusive; either bound may be None)."""
+    if not is_integer(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def check_float(value, name: str, *, low: float | None = None, finite: bool = True) -> float:
+    """``value`` as a Python float, checked to be a real number (not a bool or a string), finite, ``>= low``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if (finite and not np.isfinite(value)) or np.isnan(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if low is not None and not value >= low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def check_seed(seed, name: str = "seed"):
+    """A seed numpy accepts: None, a non-negative int, a sequence of them, a ``SeedSequence``, or a
+    ``numpy.random.Generator`` / ``BitGenerator``. Returned unchanged (ints as Python ints)."""
+    if seed is None or isinstance(seed, (np.random.SeedSequence, np.random.Generator, np.random.BitGenerator)):
+        return seed
+    if is_integer(seed):
+        seed = int(seed)
+        if seed < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {seed}")
+        return seed
+    if isinstance(seed, (list, tuple)) and seed and all(is_integer(s) for s in seed):
+        if any(int(s) < 0 for s in seed):
+            raise ValueError(f"{name} must hold non-negative ints, got {seed}")
+        return seed
+    raise TypeError(f"{name} must be None or a non-negative int, got {type(seed).__name__} {seed!r}")
+
+
+def check_generator(generator, name: str = "generator") -> torch.Generator | None:
+    """None or a ``torch.Generator`` (a seed such as ``42`` is not one: use
+    ``torch.Generator().manual_seed(42)``)."""
+    torch = _torch()
+    if generator is not None and (torch is None or not isinstance(generator, torch.Generator)):
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(generator).__name__} {generator!r} "
+            "(for a seed, pass torch.Generator().manual_seed(seed))"
+        )
+    return generator
+
+
+def check_finite(array: np.ndarray, name: str) -> np.ndarray:
+    """``array`` (a float numpy array), checked to hold no NaN or infinity."""
+    if not np.isfinite(array).all():
+        raise ValueError(f"{name} must be finite, got NaN or infinite values")
+    return array

@@ -1,0 +1,116 @@
+"""What every ``icrl-*`` command shares: user errors as one line on stderr and exit status 2.
+
+:func:`command_line` wraps a ``main(argv) -> int``. A *user error* (a bad flag value, a missing or
+corrupt file: see :data:`USER_ERRORS`) prints ``"<prog>: error: <message>"`` on one line of stderr and
+returns 2, as ``argparse``'s ``parser.error`` does for a malformed command line. Anything else is a bug
+and keeps its traceback. ``ICRL_TRACEBACK=1`` in the environment shows the traceback of user errors too.
+
+The split follows the library's convention: every check of a caller's input raises ``ValueError``
+(:class:`~icrl_models.data.DatasetError` and :class:`~icrl_models.checkpoint.CheckpointError` are
+subclasses), and a missing path raises ``FileNotFoundError``. A ``TypeError`` means the library was
+called wrongly, so it is a bug at the command line (argparse has already converted every flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+#: Exceptions reported as one line with exit status 2 instead of a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(ValueError):
+    """A command-line mistake the user can fix (a flag value that is out of range, a device that is absent)."""
+
+
+def one_line(error: BaseException) -> str:
+    """The message of ``error`` squeezed onto one line (some exceptions carry several)."""
+    text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.strerror}: {error.filename}"  # "[Errno 2] No such file ..." reads badly
+    return text or type(error).__name__
+
+
+def command_line(prog: str) -> Callable[[Callable[..., int | None]], Callable[..., int]]:
+    """Decorate ``main(argv=None)`` of the command ``prog``: see the module docstring."""
+
+    def decorate(main: Callable[..., int | None]) -> Callable[..., int]:
+        @functools.wraps(main)
+        def wrapper(argv: list[str] | None = None) -> int:
+            try:
+                status = main(argv)
+            except USER_ERRORS as error:
+                if os.environ.get("ICRL_TRACEBACK"):
+                    raise
+                print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+                return EXIT_USAGE
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            return 0 if status is None else status
+
+        return wrapper
+
+    return decorate
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """``argparse`` type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def resolve_device(name: str, *, local_rank: int = 0, name_of: str = "device") -> torch.device:
+    """The torch device ``name`` names (``"auto"``: CUDA device ``local_rank`` if there is one, else the
+    CPU), checked to exist on this machine: a clear :class:`UsageError` instead of an ``AssertionError``
+    (CUDA asked for on a machine without it) or a ``RuntimeError`` (a misspelt name) at first use."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise TypeError(f"{name_of} must be a string such as 'cpu' or 'cuda:0', got {type(name).__name__}")
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"{name_of} {name!r} asked for CUDA, but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(f"{name_of} {name!r} does not exist: this machine has {count} CUDA device(s)")
+    elif device.type not in ("cpu",):
+        raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}")
+    return device
