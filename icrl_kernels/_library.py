@@ -1,9 +1,27 @@
 """The custom-op pattern every op follows, written once.
 
-Each op is a pair of ``torch.library.custom_op`` s (forward and backward) with fake (meta)
-implementations, linked by ``register_autograd``. Registering ops this way makes them opaque to
-``torch.compile`` (no graph breaks on data-dependent kernels), exportable with ``torch.export``, and
-checkable with ``torch.library.opcheck``.
+Each op is a pair of registered operators (forward and backward) with fake (meta) implementations,
+linked by ``register_autograd``. Registering ops this way makes them single nodes for ``torch.compile``
+(no graph breaks on data-dependent kernels), exportable with ``torch.export``, and checkable with
+``torch.library.opcheck``.
+
+Two refinements, both in :func:`differentiable_op` and :func:`inference_op` so that every op gets them:
+
+* **Registration.** An op whose implementation is *traceable* (only torch ops and kernel launches through
+  :func:`icrl_kernels._triton.launch`, no host reads of tensor values) is registered with
+  ``torch.library.triton_op`` where torch has it (>= 2.6): ``torch.compile`` then traces into it, so
+  Inductor sees the Triton kernels (and the eager path's torch ops) instead of an opaque call, while
+  ``torch.export`` still keeps the op as one node. Other ops, older torch, and processes where Triton runs
+  on its CPU interpreter (whose kernels cannot run on fake tensors) use ``torch.library.custom_op``.
+  ``ICRL_TRITON_OP=0`` forces ``custom_op`` everywhere (see :func:`uses_triton_op`).
+* **Eager fast path.** A call through the dispatcher costs several Python layers per op (the Autograd
+  kernel, a generated ``autograd.Function``, the redispatch, the backend wrapper, aliasing checks), for
+  the forward and again for the backward op. In plain eager calls (no ``torch.compile`` tracing, no
+  dispatch or function modes, no functorch transforms, no JIT tracing, plain tensors only) the returned
+  op instead runs the same forward and backward Python functions through one ``torch.autograd.Function``.
+  Outputs, gradients, ``requires_grad`` flags and errors are the same; anything else (fake tensors,
+  ``opcheck``, ``torch.compile``, ``torch.export``, ``vmap``, tensor subclasses, double backward) goes
+  through the registered op as before. :func:`set_fast_dispatch` (or ``ICRL_FAST_DISPATCH=0``) turns it off.
 
 Kernel wrappers allocate outputs with :func:`empty_output`, which tests switch to NaN-filled
 allocations (:func:`icrl_kernels.testing.poisoned_outputs`) so that an element a kernel forgot to
@@ -12,14 +30,34 @@ write fails the parity check instead of passing by luck.
 
 from __future__ import annotations
 
+import inspect
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._library.custom_ops import CustomOpDef
+
+from ._backend import triton_interpreter_enabled
 
 NAMESPACE = "icrl"
 
+#: ``traceable=`` of :func:`differentiable_op`: True, False, or the ``impl`` values whose code is traceable.
+Traceable = bool | Sequence[str]
+
 _poison_outputs = False
+
+_fast_dispatch = os.environ.get("ICRL_FAST_DISPATCH", "1").strip().lower() not in ("0", "false", "no", "off")
+
+#: ``torch.library.triton_op`` (torch >= 2.6), else None.
+_TRITON_OP = getattr(torch.library, "triton_op", None)
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_C = torch._C
+_any_requires_grad = getattr(_C, "_any_requires_grad", None)
+_peek_functorch = getattr(getattr(_C, "_functorch", None), "peek_interpreter_stack", None)
+_is_compiling = torch.compiler.is_compiling
 
 
 def set_output_poisoning(enabled: bool) -> bool:
@@ -37,6 +75,147 @@ def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.devi
     return out
 
 
+def set_fast_dispatch(enabled: bool) -> bool:
+    """Let eager calls of the ops skip the dispatcher (see the module docstring); return the old value.
+
+    Off, every call goes through the registered operator, which is what ``torch.compile`` and
+    ``torch.export`` see; tests compare the two paths.
+    """
+    global _fast_dispatch
+    previous, _fast_dispatch = _fast_dispatch, bool(enabled)
+    return previous
+
+
+def uses_triton_op(traceable: bool = True) -> bool:
+    """Whether an op declared ``traceable`` is registered with ``torch.library.triton_op`` in this process.
+
+    Needs torch >= 2.6, Triton compiled rather than interpreted (``TRITON_INTERPRET=1`` runs kernels
+    eagerly on the host, which fails on the fake tensors a trace uses), and ``ICRL_TRITON_OP`` not ``0``.
+    Decided when the op is registered, i.e. at import.
+    """
+    enabled = os.environ.get("ICRL_TRITON_OP", "1").strip().lower() not in ("0", "false", "no", "off")
+    return traceable and enabled and _TRITON_OP is not None and not triton_interpreter_enabled()
+
+
+def _plain_eager_call(args: tuple) -> bool:
+    """True when nothing but plain eager execution can observe this call, so that running the op's Python
+    implementation directly is indistinguishable from going through the dispatcher."""
+    if not _fast_dispatch or _is_compiling():  # Dynamo constant-folds is_compiling(): this stays traceable
+        return False
+    if _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled() or _C._get_tracing_state():
+        return False  # FakeTensorMode, FunctionalTensorMode, make_fx, opcheck, `with torch.device(...)`, jit
+    if _peek_functorch is not None and _peek_functorch() is not None:
+        return False  # vmap / grad / jvp wrap plain-looking tensors
+    for arg in args:
+        if isinstance(arg, _Tensor) and type(arg) is not _Tensor and type(arg) is not _Parameter:
+            return False  # FakeTensor, FunctionalTensor, DTensor, ... dispatch on their own
+    return True
+
+
+def _needs_autograd(args: tuple) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if _any_requires_grad is not None:
+        return _any_requires_grad(*args)
+    return any(isinstance(arg, _Tensor) and arg.requires_grad for arg in args)
+
+
+class _FastCallOp(CustomOpDef):
+    """A ``CustomOpDef`` whose ``__call__`` runs ``self._icrl_fast(*args)`` on plain eager calls.
+
+    Everything else (``opcheck``, ``register_*``, ``_opoverload``, the ``torch.ops.icrl`` entry) is the
+    registered op, unchanged. Instances are made by re-classing the ``CustomOpDef`` that
+    ``torch.library.custom_op`` / ``triton_op`` returned.
+    """
+
+    _icrl_fast: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not kwargs and _plain_eager_call(args):
+            return self._icrl_fast(*args)
+        return self._opoverload(*args, **kwargs)
+
+
+def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], traceable: Traceable) -> CustomOpDef:
+    qualname = f"{NAMESPACE}::{name}"
+    if traceable is not True and traceable is not False and "impl" not in inspect.signature(fn).parameters:
+        raise ValueError(f"{qualname}: traceable={traceable!r} needs an argument named 'impl' in {fn.__name__}")
+    if uses_triton_op(bool(traceable)):
+        op = _TRITON_OP(qualname, fn, mutates_args=())
+        if traceable is not True:
+            _trace_only_impls(op, fn, tuple(traceable))
+    else:
+        op = torch.library.custom_op(qualname, fn, mutates_args=())
+    # triton_op registers ``fn`` itself as the fake; the explicit one is cheaper and tells shapes and
+    # strides without running any kernel wrapper. (The functional decomposition under torch.compile
+    # still traces ``fn``.)
+    op.register_fake(fake)
+    return op
+
+
+def _trace_only_impls(op: CustomOpDef, fn: Callable[..., Any], impls: tuple[str, ...]) -> None:
+    """Keep a ``triton_op`` opaque to ``torch.compile`` unless its ``impl`` argument is one of ``impls``.
+
+    ``triton_op`` decomposes the op (runs ``fn`` on functional tensors) whenever AOTAutograd traces it; an
+    eager implementation that views outputs in stride-dependent ways, or reads values, must stay a single
+    opaque node instead, as with ``custom_op``.
+    """
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    if decompose is None:  # a torch that keeps no handle on triton_op's rule: the same rule, restated
+
+        def decompose(mode, func, types, args, kwargs):
+            try:
+                from torch.export._trace import custom_triton_ops_decomposition_disabled as export_keeps_whole
+            except ImportError:  # pragma: no cover - depends on the torch version
+                export_keeps_whole = bool
+            if export_keeps_whole():
+                return mode.__torch_dispatch__(func, types, args, kwargs)
+            with mode:
+                return fn(*args, **kwargs)
+
+    impl_index = list(inspect.signature(fn).parameters).index("impl")
+
+    def decompose_traceable_impls(mode, func, types, args, kwargs):
+        impl = kwargs["impl"] if "impl" in kwargs else args[impl_index]
+        if impl in impls:
+            return decompose(mode, func, types, args, kwargs)
+        return mode.__torch_dispatch__(func, types, args, kwargs)  # opaque: one node, fake impl for shapes
+
+    op.register_torch_dispatch(FunctionalTensorMode, decompose_traceable_impls)
+
+
+def _with_fast_call(op: CustomOpDef, fast: Callable[..., Any]) -> CustomOpDef:
+    op.__class__ = _FastCallOp
+    op._icrl_fast = fast
+    return op
+
+
+def inference_op(
+    name: str, fn: Callable[..., Any], *, fake: Callable[..., Any], traceable: Traceable = False
+) -> CustomOpDef:
+    """Register ``icrl::<name>`` (an op without autograd, e.g. integer outputs) with the eager fast path.
+
+    The replacement for ``@torch.library.custom_op(...)`` + ``register_fake``: plain eager calls run
+    ``fn`` directly; everything else goes through the registered op.
+
+    Args:
+        name: op name inside the ``icrl`` namespace.
+        fn: the implementation, fully type-annotated (the schema is inferred from it).
+        fake: shapes/dtypes of the outputs, for FakeTensor tracing.
+        traceable: as in :func:`differentiable_op`.
+    """
+    op = _register(name, fn, fake, traceable)
+
+    def fast(*args: Any) -> Any:
+        if _needs_autograd(args):  # the registered op's (error-raising) autograd behaviour
+            return op._opoverload(*args)
+        return fn(*args)
+
+    return _with_fast_call(op, fast)
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -52,6 +231,7 @@ def differentiable_op(
     grad_inputs: Sequence[int],
     differentiable_outputs: int | None = None,
     pass_needs_grad: bool = False,
+    traceable: Traceable = False,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -70,14 +250,20 @@ def differentiable_op(
         pass_needs_grad: append ``needs_grad: list[bool]`` (one flag per entry of ``grad_inputs``) to
             the backward's arguments, so it can skip gradients nobody asked for; it returns any tensor
             (e.g. an empty one) in their place, and autograd receives ``None`` for them.
+        traceable: ``forward`` and ``backward`` use only torch ops and kernel launches through
+            :func:`icrl_kernels._triton.launch`, with no host read of a tensor value and no
+            data-dependent output shape, so ``torch.compile`` may trace into them: both ops are then
+            registered with ``torch.library.triton_op`` where :func:`uses_triton_op` allows. A sequence of
+            strings, e.g. ``("triton",)``, limits that to calls whose ``impl`` argument (found by name in
+            ``forward`` and ``backward``) is one of them; other calls stay single opaque nodes.
 
     Returns:
-        ``(forward_op, backward_op)``, callables that dispatch through ``torch.ops.icrl``.
+        ``(forward_op, backward_op)``: ``CustomOpDef`` s of ``torch.ops.icrl.<name>`` and
+        ``torch.ops.icrl.<name>_backward``. Calling ``forward_op`` takes the eager fast path where it can
+        (module docstring).
     """
-    forward_op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=())(forward)
-    forward_op.register_fake(forward_fake)
-    backward_op = torch.library.custom_op(f"{NAMESPACE}::{name}_backward", mutates_args=())(backward)
-    backward_op.register_fake(backward_fake)
+    forward_op = _register(name, forward, forward_fake, traceable)
+    backward_op = _register(f"{name}_backward", backward, backward_fake, traceable)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         saved = save(inputs, output)
@@ -86,17 +272,45 @@ def differentiable_op(
         ctx.constants = [None if isinstance(v, torch.Tensor) else v for v in saved]
         ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
 
-    def autograd_backward(ctx: Any, *grad_outputs: Any) -> tuple:
+    def gradients(ctx: Any, grad_outputs: tuple, run_backward: Callable[..., Any]) -> tuple:
         saved = list(ctx.constants)
         for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
             saved[slot] = tensor
         needs = [bool(ctx.needs_input_grad[index]) for index in grad_inputs]
         extra = (needs,) if pass_needs_grad else ()
-        grads = _as_tuple(backward_op(*grad_outputs[:differentiable_outputs], *saved, *extra))
+        grads = _as_tuple(run_backward(*grad_outputs[:differentiable_outputs], *saved, *extra))
         result: list[Any] = [None] * ctx.num_inputs
         for index, grad, needed in zip(grad_inputs, grads, needs):
             result[index] = grad if needed else None
         return tuple(result)
 
+    def autograd_backward(ctx: Any, *grad_outputs: Any) -> tuple:
+        return gradients(ctx, grad_outputs, backward_op)
+
     forward_op.register_autograd(autograd_backward, setup_context=setup_context)
-    return forward_op, backward_op
+
+    def fast_forward(ctx: Any, *inputs: Any) -> Any:
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
+        return output
+
+    def fast_backward(ctx: Any, *grad_outputs: Any) -> tuple:
+        # create_graph=True (grad mode on) or a mode/subclass now active: the registered backward op, whose
+        # behaviour (no double backward, tracing) the fast path must not change.
+        direct = not torch.is_grad_enabled() and _plain_eager_call(grad_outputs)
+        return gradients(ctx, grad_outputs, backward if direct else backward_op)
+
+    # The registered op's autograd without the dispatcher: the same setup_context and backward. Named
+    # ``<name>_fast`` so that its grad_fn reads ``<name>_fastBackward``.
+    FastFunction = type(
+        f"{name}_fast",
+        (torch.autograd.Function,),
+        {"forward": staticmethod(fast_forward), "backward": staticmethod(fast_backward)},
+    )
+
+    def fast(*args: Any) -> Any:
+        if _needs_autograd(args):
+            return FastFunction.apply(*args)
+        return forward(*args)
+
+    return _with_fast_call(forward_op, fast), backward_op

@@ -73,12 +73,29 @@ def autotuned_kernels() -> list:
     return list(_AUTOTUNED)
 
 
+#: ``torch.library.wrap_triton`` (torch >= 2.6), else None.
+_wrap_triton = getattr(torch.library, "wrap_triton", None)
+
+
 def launch(kernel, grid):
-    """``kernel[grid]``, launched through ``torch.library.wrap_triton`` where torch has it (>= 2.6), so that
-    ``torch.compile`` can trace into the ops that call it (see :mod:`icrl_kernels._library`); outside
-    tracing the wrapper launches the kernel directly. Every launch in the package goes through here."""
-    wrap = getattr(torch.library, "wrap_triton", None)
-    return (wrap(kernel) if wrap is not None else kernel)[grid]
+    """``kernel[grid]``; while torch traces (``torch.compile``, the functional decomposition of an op
+    registered with ``torch.library.triton_op``, ``make_fx``), ``torch.library.wrap_triton(kernel)[grid]``,
+    so that the trace records the kernel (see :mod:`icrl_kernels._library`). Every launch in the package
+    goes through here.
+
+    Outside tracing the wrapper would only add a higher-order-op dispatch to every launch, so plain eager
+    calls launch directly. Under ``TRITON_INTERPRET=1`` kernels are never wrapped: the interpreter runs them
+    on the host at once (it cannot run on fake tensors), and older torch's ``wrap_triton`` rejects
+    interpreted kernels.
+    """
+    if _wrap_triton is not None and _tracing() and not triton_interpreter_enabled():
+        return _wrap_triton(kernel)[grid]
+    return kernel[grid]
+
+
+def _tracing() -> bool:
+    """Whether a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active."""
+    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
 
 
 def size_bucket(size: int) -> int:

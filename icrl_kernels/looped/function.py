@@ -174,6 +174,7 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
     grad_inputs=(0, 1, 2, 3, 4),  # y, prompt, pos, weight, bias
     differentiable_outputs=2,
     pass_needs_grad=True,
+    traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
 
 

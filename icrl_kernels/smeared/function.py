@@ -59,6 +59,7 @@ smeared_keys_op, smeared_keys_backward_op = differentiable_op(
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs,  # (k, alpha, impl)
     grad_inputs=(0, 1),
+    traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
 
 

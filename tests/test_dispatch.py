@@ -1,0 +1,358 @@
+"""The eager fast path of the registered ops (:mod:`icrl_kernels._library`) against the dispatcher path.
+
+Plain eager calls of an op run its forward and backward through one ``torch.autograd.Function``;
+everything else (``torch.compile``, fake tensors, modes, double backward) goes through the registered
+operator. Both paths run the same Python implementations, so outputs and gradients must be *identical*
+(``torch.equal``, not a tolerance), errors the same, and ``torch.compile`` must still see the op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import icrl_kernels as ik
+from icrl_kernels import _library
+from icrl_kernels.testing import fast_impls
+
+IMPLS = fast_impls()
+
+
+@contextlib.contextmanager
+def fast_dispatch(enabled: bool):
+    previous = _library.set_fast_dispatch(enabled)
+    try:
+        yield
+    finally:
+        _library.set_fast_dispatch(previous)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _cases(impl: str):
+    """``name -> (make_inputs, call)``: odd sizes, fp32 and bf16, masks and padding; inputs are fresh leaves."""
+    g = _gen(0)
+    ids = torch.randint(0, 3, (2, 13), generator=g)
+    ids[1, -3:] = -1  # padding
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    targets[0, 1] = -100  # ignored row
+    mask = torch.ones(7, dtype=torch.bool)
+    mask[3] = False
+    targets[targets == 3] = 4
+
+    def leaves(*shapes, dtype=torch.float32, seed=1):
+        gen = _gen(seed)
+        return tuple(torch.randn(*s, generator=gen).to(dtype).requires_grad_(True) for s in shapes)
+
+    cases = {
+        "ngram_attention-sort": (
+            lambda: leaves((2, 13, 6)),
+            lambda h: ik.ngram_attention(h, ids, 2, backend=impl, algorithm="sort" if impl == "triton" else "auto"),
+        ),
+        "infonce_loss-masked": (
+            lambda: leaves((2, 5, 12), (7, 12)),
+            lambda p, e: ik.infonce_loss(p, e, targets, mask=mask, tau=0.7, reduction="none", backend=impl),
+        ),
+        "mixture_of_heads-bf16": (
+            lambda: leaves((2, 5, 3, 4), (2, 5, 3), dtype=torch.bfloat16),
+            lambda h, lg: ik.mixture_of_heads(h, lg, backend=impl),
+        ),
+        "mixture_of_heads-sdpa-view": (
+            lambda: (
+                tuple(t.detach().transpose(1, 2).requires_grad_(True) for t in leaves((2, 3, 5, 4)))
+                + leaves((2, 5, 3), seed=2)
+            ),
+            lambda h, lg: ik.mixture_of_heads(h, lg, gate="sigmoid", backend=impl),
+        ),
+        "inject_layer_norm": (
+            lambda: leaves((2, 5, 9), (2, 5, 9), (5, 9), (9,), (9,)),
+            lambda y, p, pos, w, b: ik.inject_layer_norm(y, p, pos, w, b, backend=impl),
+        ),
+        "smeared_keys": (
+            lambda: leaves((2, 3, 5, 4), (3,)),
+            lambda k, a: ik.smeared_keys(k, a, backend=impl),
+        ),
+    }
+    if impl == "triton":
+        cases["ngram_attention-tiled"] = (
+            lambda: leaves((2, 13, 16)),
+            lambda h: ik.ngram_attention(h, ids, 2, backend=impl, algorithm="tiled"),
+        )
+    return cases
+
+
+def _graph_node_names(out: torch.Tensor) -> set[str]:
+    """Names of every node of the autograd graph behind ``out``."""
+    names, stack, seen = set(), [out.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _run(make_inputs, call, *, fast: bool):
+    """Outputs, input gradients and the autograd node names of one forward + backward."""
+    with fast_dispatch(fast):
+        inputs = make_inputs()
+        out = call(*inputs)
+        outs = out if isinstance(out, tuple) else (out,)
+        loss = sum((o.float() * (i + 1)).square().sum() for i, o in enumerate(outs))
+        grads = torch.autograd.grad(loss, inputs)
+    return outs, grads, _graph_node_names(outs[0])
+
+
+@pytest.mark.parametrize("impl,case", [(impl, case) for impl in IMPLS for case in _cases(impl)])
+def test_fast_path_matches_dispatcher_exactly(impl, case):
+    make_inputs, call = _cases(impl)[case]
+    fast_outs, fast_grads, fast_nodes = _run(make_inputs, call, fast=True)
+    slow_outs, slow_grads, slow_nodes = _run(make_inputs, call, fast=False)
+    # The two paths really are different: one autograd.Function vs the dispatcher's generated one.
+    assert any(n.endswith("_fastBackward") for n in fast_nodes), fast_nodes
+    assert not any(n.startswith("GeneratedBackwardFor_icrl_") for n in fast_nodes), fast_nodes
+    assert any(n.startswith("GeneratedBackwardFor_icrl_") for n in slow_nodes), slow_nodes
+    assert not any(n.endswith("_fastBackward") for n in slow_nodes), slow_nodes
+    for fast, slow in zip(fast_outs, slow_outs):
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape and fast.stride() == slow.stride()
+        assert fast.requires_grad == slow.requires_grad
+        assert torch.equal(fast, slow)
+    for fast, slow in zip(fast_grads, slow_grads):
+        assert fast.dtype == slow.dtype and fast.stride() == slow.stride()
+        assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_side_outputs_match(impl):
+    """The op's non-differentiable side outputs (inject_layer_norm's mean/rstd) behave the same on both paths."""
+    from icrl_kernels.looped.function import inject_layer_norm_op
+
+    g = _gen(3)
+    y, p = (torch.randn(2, 3, 8, generator=g, requires_grad=True) for _ in range(2))
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8)
+    results = []
+    for fast in (True, False):
+        with fast_dispatch(fast):
+            results.append(inject_layer_norm_op(y, p, None, w, b, 1e-5, impl))
+    for fast, slow in zip(*results):
+        assert fast.requires_grad == slow.requires_grad and torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_grad_and_inference_calls_skip_autograd(impl):
+    h = torch.randn(2, 4, 3, 5, requires_grad=True)
+    logits = torch.randn(2, 4, 3)
+    with torch.no_grad():
+        out = ik.mixture_of_heads(h, logits, backend=impl)
+    assert out.grad_fn is None and not out.requires_grad
+    with torch.inference_mode():
+        out = ik.mixture_of_heads(h, logits, backend=impl)
+    assert out.grad_fn is None and torch.equal(out, ik.mixture_of_heads(h.detach(), logits, backend=impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("wanted", [(0,), (1, 3), (2, 4), (0, 1, 2, 3, 4)])
+def test_needs_grad_skipping_on_fast_path(impl, wanted, monkeypatch):
+    """Only the gradients asked for are computed (the backward sees the flags) and returned."""
+    import icrl_kernels.looped.function as looped
+
+    seen = []
+    if impl == "triton":
+        import icrl_kernels.looped.kernels as kernels
+
+        original = kernels.inject_layer_norm_backward_triton
+
+        def spy(*args, **kwargs):
+            seen.append(tuple(kwargs[k] for k in ("want_y", "want_prompt", "want_pos", "want_weight", "want_bias")))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, "inject_layer_norm_backward_triton", spy)
+    else:
+        original = looped.inject_layer_norm_backward_eager
+
+        def spy(*args):
+            seen.append(args[6:9])  # want_weight, want_bias, want_pos
+            return original(*args)
+
+        monkeypatch.setattr(looped, "inject_layer_norm_backward_eager", spy)
+    g = _gen(4)
+    inputs = [torch.randn(*s, generator=g) for s in ((2, 5, 9), (2, 5, 9), (5, 9), (9,), (9,))]
+    for index in wanted:
+        inputs[index].requires_grad_(True)
+    hidden, normed = ik.inject_layer_norm(*inputs, backend=impl)
+    (hidden.sum() + normed.square().sum()).backward()
+    assert type(normed.grad_fn).__name__ == "inject_layer_norm_fastBackward"
+    flags = [i in wanted for i in range(5)]
+    if impl == "triton":
+        assert seen == [tuple(flags)]
+    else:
+        assert seen == [(flags[3], flags[4], flags[2])]
+    for index, tensor in enumerate(inputs):
+        assert (tensor.grad is not None) == (index in wanted)
+
+
+def test_errors_are_unchanged():
+    pred = torch.randn(2, 5, 12, requires_grad=True)
+    embeds = torch.randn(7, 12)
+    bad = torch.full((2, 5), 9)
+    messages = []
+    for fast in (True, False):
+        with fast_dispatch(fast), pytest.raises(ValueError, match="targets must lie in") as info:
+            ik.infonce_loss(pred, embeds, bad, backend="eager")
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_double_backward_still_refused(fast):
+    """The registered backward op has no autograd: create_graph=True does not silently differentiate
+    the eager backward on the fast path either."""
+    h = torch.randn(2, 3, 2, 4, requires_grad=True)
+    logits = torch.randn(2, 3, 2, requires_grad=True)
+    with fast_dispatch(fast):
+        out = ik.mixture_of_heads(h, logits, backend="eager")
+        (grad_h,) = torch.autograd.grad(out.square().sum(), h, create_graph=True)
+        with pytest.raises(RuntimeError, match="no autograd formula"):
+            grad_h.sum().backward()
+
+
+def test_modes_and_subclasses_take_the_dispatcher():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    h = torch.randn(2, 3, 2, 4, requires_grad=True)
+    logits = torch.randn(2, 3, 2, requires_grad=True)
+    assert type(ik.mixture_of_heads(h, logits, backend="eager").grad_fn).__name__ == "mixture_of_heads_fastBackward"
+    with torch.device("cpu"):  # a torch-function mode
+        out = ik.mixture_of_heads(h, logits, backend="eager")
+    assert type(out.grad_fn).__name__.startswith("GeneratedBackwardFor_icrl_")
+    with FakeTensorMode() as mode:
+        fake = ik.mixture_of_heads(mode.from_tensor(h), mode.from_tensor(logits), backend="eager")
+    assert fake.shape == (2, 3, 8) and type(fake).__name__ == "FakeTensor"
+    # vmap's batched tensors look plain to type(): the functorch-stack check sends them to the registered
+    # op (its batching fallback loops over the batch), never into the fast path's autograd.Function.
+    # (The fast path would run the eager code on batched tensors, which rejects its out= ops.)
+    batch = torch.randn(3, 2, 3, 2, 4, requires_grad=True)
+    mapped = torch.vmap(lambda x: ik.mixture_of_heads(x, logits.detach(), backend="eager"))(batch)
+    looped = torch.stack([ik.mixture_of_heads(x, logits.detach(), backend="eager") for x in batch])
+    assert torch.equal(mapped, looped) and mapped.requires_grad
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "op,make_inputs,call",
+    [
+        ("mixture_of_heads", lambda: (torch.randn(2, 5, 3, 4), torch.randn(2, 5, 3)),
+         lambda impl, h, lg: ik.mixture_of_heads(h, lg, backend=impl)),
+        ("smeared_keys", lambda: (torch.randn(2, 3, 5, 4), torch.randn(3)),
+         lambda impl, k, a: ik.smeared_keys(k, a, backend=impl)),
+        ("inject_layer_norm", lambda: (torch.randn(2, 5, 8), torch.randn(2, 5, 8), None, torch.ones(8), None),
+         lambda impl, *args: ik.inject_layer_norm(*args, backend=impl)[1]),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)  # fmt: skip
+def test_compile_keeps_the_op_in_the_graph(impl, op, make_inputs, call):
+    """Dynamo records the registered op (not the fast path's autograd.Function) and the compiled result
+    and gradients match the eager fast path."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    inputs = [t.requires_grad_(True) if t is not None else None for t in make_inputs()]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *args: call(impl, *args), fullgraph=True, backend=capture)
+    out = compiled(*inputs)
+    targets = [node.target for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert getattr(torch.ops.icrl, op).default in targets, targets
+    leaves = [t for t in inputs if t is not None]
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    expected = call(impl, *inputs)
+    assert type(expected.grad_fn).__name__ == f"{op}_fastBackward"
+    expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
+    assert torch.equal(out, expected)
+    for grad, grad_ref in zip(grads, expected_grads):
+        assert torch.equal(grad, grad_ref)
+
+
+# --- registration: triton_op where the implementation is traceable -----------------------------------
+
+
+def _toy_forward(x: torch.Tensor, impl: str) -> torch.Tensor:
+    return x * 3.0 + 1.0
+
+
+def _toy_backward(grad: torch.Tensor, impl: str) -> torch.Tensor:
+    return grad * 3.0
+
+
+@pytest.fixture(scope="module")
+def toy_op():
+    """A differentiable op registered as a ``triton_op`` traceable for ``impl="traced"`` only (forced here,
+    since under ``TRITON_INTERPRET=1`` the package's ops are plain custom ops)."""
+    if _library._TRITON_OP is None:
+        pytest.skip("torch.library.triton_op needs torch >= 2.6")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_library, "triton_interpreter_enabled", lambda: False)
+        patch.delenv("ICRL_TRITON_OP", raising=False)
+        forward_op, _ = _library.differentiable_op(
+            "dispatch_test_toy",
+            forward=_toy_forward,
+            forward_fake=lambda x, impl: torch.empty_like(x),
+            backward=_toy_backward,
+            backward_fake=lambda grad, impl: torch.empty_like(grad),
+            save=lambda inputs, output: (inputs[1],),
+            grad_inputs=(0,),
+            traceable=("traced",),
+        )
+    return forward_op
+
+
+@pytest.mark.parametrize("impl,decomposed", [("traced", True), ("opaque", False)])
+def test_triton_op_decomposes_only_traceable_impls(toy_op, impl, decomposed):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    x = torch.randn(5, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: toy_op(t, impl), fullgraph=True, backend=aot_autograd(fw_compiler=capture))
+    out = compiled(x)
+    out.sum().backward()
+    assert torch.equal(out, x.detach() * 3.0 + 1.0) and torch.equal(x.grad, torch.full((5,), 3.0))
+    targets = {node.target for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert (torch.ops.icrl.dispatch_test_toy.default in targets) != decomposed, targets
+    assert (torch.ops.aten.mul.Tensor in targets) == decomposed, targets
+    torch.library.opcheck(toy_op, (torch.randn(3, requires_grad=True), impl))
+
+
+def test_triton_op_is_kept_whole_by_export(toy_op):
+    class Toy(torch.nn.Module):
+        def forward(self, x):
+            return toy_op(x, "traced")
+
+    exported = torch.export.export(Toy(), (torch.randn(4),))
+    targets = [node.target for node in exported.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.icrl.dispatch_test_toy.default]
+
+
+def test_registration_choice():
+    assert not _library.uses_triton_op(False)
+    if _library._TRITON_OP is None:
+        assert not _library.uses_triton_op(True)
+    # Interpreted kernels run on the host at once and cannot be traced: never triton_op under the interpreter.
+    from icrl_kernels._backend import triton_interpreter_enabled
+
+    if triton_interpreter_enabled():
+        assert not _library.uses_triton_op(True)
