@@ -27,7 +27,13 @@ and 10^4 (the targets: at least 10x the dense reference, faster than FlexAttenti
 the first two smoke shapes on a smoke run.
 
 ``test_ngram_cpu_crossover`` times ``eager`` against ``reference`` on the CPU over a sweep of ``L``;
-``benchmarks/summarize.py`` reads the ratio per ``L`` and the crossover from the saved JSON.
+``benchmarks/summarize.py`` reads the ratio per ``L`` and the crossover from the saved JSON. (The
+constant ``CPU_DENSE_MAX_LENGTH`` of ``backend="auto"`` on the CPU comes from the standalone
+``benchmarks/ngram_cpu_crossover.py``, which sweeps more shapes and thread counts.)
+
+``test_ngram_tiled_crossover`` times ``triton-tiled`` against ``triton-sort`` over ``L`` in fp32 (FMA
+dots) and bf16 (tensor-core dots): where they cross, per dtype, is ``TILED_MAX_LENGTH[dtype]`` of
+``algorithm="auto"`` (``icrl_kernels/ngram/function.py``).
 """
 
 from __future__ import annotations
@@ -73,7 +79,7 @@ def shape_id(shape: Shape) -> str:
 DESIGN_LENGTHS = (256, 1024, 4096, 16384, 65536)
 # Scaling in L at a fixed width: where the dense O(L^2) paths (reference, FlexAttention, the tiled
 # kernel) fall behind the sort-based ones and then out of memory. 512 and 2048 are extra points
-# around the tiled/sort switch of algorithm="auto" (TILED_MAX_LENGTH).
+# around the tiled/sort switch of algorithm="auto" (TILED_MAX_LENGTH; see test_ngram_tiled_crossover).
 LENGTH_SWEEP = [Shape(B=8, L=L, D=512, vocab=81, n=2) for L in sorted({*DESIGN_LENGTHS, 512, 2048})]
 # Vocabulary and n at L = 4096: they change the number of matches per row (not the work of the
 # sort-based paths) and how many blocks of the FlexAttention mask are empty.
@@ -108,6 +114,15 @@ if os.environ.get("ICRL_BENCH_FULL", "0") == "1":
     CROSSOVER_SHAPES = [Shape(B=8, L=L, D=256, vocab=81, n=2) for L in (256, 512, 1024, 2048, 4096)]
 else:
     CROSSOVER_SHAPES = [Shape(B=2, L=L, D=32, vocab=81, n=2) for L in (32, 96)]
+
+# Tiled vs sort on the GPU around the estimated TILED_MAX_LENGTH (512 in fp32, 1024 in half precision), at
+# DESIGN.md's width and at N-Gram AD's training shape (batch 32, d_model 64, n = 1 and 2); smoke: two tiny
+# lengths for the interpreter.
+TILED_CROSSOVER_SHAPES = select_shapes(
+    [Shape(B=8, L=L, D=512, vocab=81, n=2) for L in (256, 512, 1024, 2048, 4096)]
+    + [Shape(B=32, L=L, D=64, vocab=81, n=n) for n in (1, 2) for L in (256, 512, 1024, 2048)],
+    [Shape(B=1, L=L, D=32, vocab=81, n=2) for L in (40, 96)],
+)
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,9 +232,13 @@ def float32_matmul_precision(precision: str):
         torch.set_float32_matmul_precision(previous)
 
 
-def _run(fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, group: str) -> None:
+def _run(
+    fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, group: str, dtype: torch.dtype | None = None
+) -> None:
     skip_unless_ngram_runnable(shape, backend, device)
     h, ids = make_inputs(shape, device)
+    if dtype is not None:
+        h = h.detach().to(dtype).requires_grad_()
     fn = ngram_fn(backend, ids, shape.n, shape.D)
     if backend.startswith("flex"):
         # A peer computing something else would make the comparison meaningless: check it once at
@@ -230,6 +249,8 @@ def _run(fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, g
         assert error < 1e-2, f"FlexAttention peer disagrees with the op: relative RMS error {error:.2e}"
     benchmark.group = f"{group} {shape_id(shape)}"
     info = {"op": "ngram_attention", "backend": backend, **shape._asdict()}
+    if dtype is not None:
+        info["dtype"] = str(dtype).removeprefix("torch.")
     cost = fwd_bwd_cost(shape.B, shape.L, shape.D, dtype=h.dtype, ids_itemsize=ids.element_size())
     # The TF32 setting is global and read when the backward's matmuls launch too, so it spans the call.
     with float32_matmul_precision("high" if backend.endswith("-tf32") else "highest"):
@@ -252,6 +273,15 @@ def test_ngram_cpu_crossover(fwd_bwd, benchmark, shape: Shape, backend: str) -> 
     ``L^2`` term dominates. ``summarize.py`` reports the smallest ``L`` from which eager stays faster.
     """
     _run(fwd_bwd, benchmark, shape, backend, torch.device("cpu"), group="ngram-cpu-crossover")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["triton-sort", "triton-tiled"])
+@pytest.mark.parametrize("shape", TILED_CROSSOVER_SHAPES, ids=shape_id)
+def test_ngram_tiled_crossover(fwd_bwd, benchmark, shape: Shape, backend: str, dtype: torch.dtype) -> None:
+    """The two Triton algorithms over ``L`` per dtype: ``TILED_MAX_LENGTH[dtype]`` is the last ``L`` at which
+    ``triton-tiled`` is still faster. Both include everything their call does (the sort path its plan)."""
+    _run(fwd_bwd, benchmark, shape, backend, bench_device(), group="ngram-tiled-crossover", dtype=dtype)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

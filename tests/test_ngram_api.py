@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from icrl_kernels import NGramAttention, ngram_attention, ngram_attention_reference, resolve_backend, transition_ids
+from icrl_kernels._validation import KERNEL_FLOAT_DTYPES
+from icrl_kernels.ngram import function
 from icrl_kernels.ngram.function import (
+    CPU_DENSE_MAX_LENGTH,
     TILED_MAX_LENGTH,
     ngram_attention_backward_op,
     ngram_attention_op,
@@ -14,7 +17,7 @@ from icrl_kernels.ngram.function import (
     ngram_attention_tiled_op,
 )
 from icrl_kernels.ngram.plan import _ngram_plan_op, build_ngram_plan
-from icrl_kernels.testing import assert_close_rel, triton_devices
+from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
 
 IMPLS = ["eager"] + (["triton"] if triton_devices() else [])
 
@@ -112,7 +115,14 @@ def test_algorithm_argument():
         ngram_attention(h, ids, 1, algorithm="dense")
     with pytest.raises(ValueError, match="algorithm='tiled' needs the Triton backend"):
         ngram_attention(h, ids, 1, backend="eager", algorithm="tiled")
-    assert TILED_MAX_LENGTH >= 1
+
+
+def test_tiled_max_length_per_dtype():
+    """One crossover per kernel dtype; fp32 dots run on FMA units, half ones on tensor cores, so the tiled
+    kernel stays ahead of the sort path to a longer L in half precision."""
+    assert set(TILED_MAX_LENGTH) == set(KERNEL_FLOAT_DTYPES)
+    assert all(isinstance(value, int) and value >= 1 for value in TILED_MAX_LENGTH.values())
+    assert TILED_MAX_LENGTH[torch.float32] <= TILED_MAX_LENGTH[torch.bfloat16] == TILED_MAX_LENGTH[torch.float16]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -190,3 +200,196 @@ def test_transition_ids_errors():
         transition_ids(torch.tensor([0]), num_states=3)
     with pytest.raises(ValueError, match="mode must be one of"):
         transition_ids(torch.tensor([0]), num_states=3, mode="states")
+
+
+# --- which path runs: a spy on each path's entry point ----------------------------------------------
+
+
+@pytest.fixture
+def ran_paths(monkeypatch) -> list[str]:
+    """The paths ``ngram_attention`` takes, in call order: ``"reference"`` (dense), ``"sort-<impl>"`` (the
+    sort path, eager or Triton) and ``"tiled"``. Each spy calls the real function."""
+    calls: list[str] = []
+
+    def spy(name, real):
+        def wrapper(*args):
+            calls.append(name(args) if callable(name) else name)
+            return real(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(function, "ngram_attention_reference", spy("reference", function.ngram_attention_reference))
+    sort_path = spy(lambda args: f"sort-{args[-1]}", function.ngram_attention_op)  # args[-1]: the impl
+    monkeypatch.setattr(function, "ngram_attention_op", sort_path)
+    monkeypatch.setattr(function, "ngram_attention_tiled_op", spy("tiled", function.ngram_attention_tiled_op))
+    return calls
+
+
+def _check_against_reference(h, ids, n, **kwargs):
+    """``ngram_attention(**kwargs)`` output and gradient against the reference on the same inputs."""
+    h = h.detach().requires_grad_(True)
+    h_ref = h.detach().clone().requires_grad_(True)
+    out = ngram_attention(h, ids, n, **kwargs)
+    with torch.no_grad():
+        expected = ngram_attention_reference(h_ref.detach(), ids, n)
+    assert out.dtype == h.dtype and out.shape == h.shape
+    assert_close_rel(out, expected, name="output")
+    grad_out = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, h, grad_out)
+    (grad_ref,) = torch.autograd.grad(ngram_attention_reference(h_ref, ids, n), h_ref, grad_out)
+    assert_close_rel(grad, grad_ref, name="grad_h")
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """A CPU process without Triton's interpreter: ``backend="auto"`` resolves to the eager backend."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert resolve_backend("auto", torch.device("cpu")) == "eager"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_auto_is_dense_up_to_the_crossover_then_sort(no_triton, ran_paths, monkeypatch, dtype):
+    monkeypatch.setattr(function, "CPU_DENSE_MAX_LENGTH", 24)
+    for length, path in ((1, "reference"), (24, "reference"), (25, "sort-eager"), (61, "sort-eager")):
+        h, ids = _inputs(batch=3, length=length, dim=7, vocab=3, seed=length)
+        ids[0, ::5] = -1  # padding
+        ran_paths.clear()
+        _check_against_reference(h.to(dtype), ids, 2, backend="auto")
+        assert ran_paths == [path], (length, ran_paths)
+
+
+def test_cpu_auto_at_the_real_constant(no_triton, ran_paths):
+    """The shipped ``CPU_DENSE_MAX_LENGTH``: dense at it, sort one past it (cheap at B = 1, D = 4)."""
+    for length, path in ((CPU_DENSE_MAX_LENGTH, "reference"), (CPU_DENSE_MAX_LENGTH + 1, "sort-eager")):
+        h, ids = _inputs(batch=1, length=length, dim=4, vocab=5, seed=1)
+        ran_paths.clear()
+        _check_against_reference(h, ids, 1)  # backend="auto" is the default
+        assert ran_paths == [path]
+
+
+def test_cpu_auto_forced_paths_and_plan(no_triton, ran_paths, monkeypatch):
+    """``backend="eager"`` always sorts; a given plan keeps ``"auto"`` on the sort path (and is used); a
+    pattern above ``CPU_DENSE_MAX_PATTERN_ELEMENTS`` takes the sort path whatever ``L``."""
+    h, ids = _inputs(batch=2, length=20, dim=6, vocab=3)
+    _check_against_reference(h, ids, 2, backend="eager")
+    assert ran_paths == ["sort-eager"]
+    ran_paths.clear()
+    _check_against_reference(h, ids, 2, backend="auto", plan=build_ngram_plan(ids, 2))
+    assert ran_paths == ["sort-eager"]
+    ran_paths.clear()
+    _check_against_reference(h, ids, 2, backend="reference")
+    assert ran_paths == ["reference"]
+    ran_paths.clear()
+    monkeypatch.setattr(function, "CPU_DENSE_MAX_PATTERN_ELEMENTS", 2 * 20 * 20 - 1)
+    _check_against_reference(h, ids, 2, backend="auto")
+    assert ran_paths == ["sort-eager"]
+    ran_paths.clear()
+    _check_against_reference(h[:1], ids[:1], 2, backend="auto")
+    assert ran_paths == ["reference"]
+
+
+def test_cpu_auto_module_follows(no_triton, ran_paths, monkeypatch):
+    """``NGramAttention(backend="auto")`` takes the same CPU paths as the function."""
+    monkeypatch.setattr(function, "CPU_DENSE_MAX_LENGTH", 16)
+    torch.manual_seed(2)
+    layer = NGramAttention(6, 2)
+    for length, path in ((16, "reference"), (17, "sort-eager")):
+        h, ids = _inputs(length=length, dim=6, seed=length)
+        ran_paths.clear()
+        out = layer(h, ids)
+        assert ran_paths == [path]
+        expected = layer.attn_proj(ngram_attention_reference(h, ids, 2)) + layer.skip_proj(h)
+        assert_close_rel(out, expected, name="module output")
+    ran_paths.clear()
+    layer(h, ids, plan=build_ngram_plan(ids, 2))
+    assert ran_paths == ["sort-eager"]
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_auto_with_triton_never_takes_the_cpu_dense_path(ran_paths):
+    """Where Triton runs (here: the interpreter), ``"auto"`` is Triton even below ``CPU_DENSE_MAX_LENGTH``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    h, ids = _inputs(length=20, dim=6)
+    _check_against_reference(h.to(device), ids.to(device), 2)
+    assert ran_paths == ["tiled"]
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_auto_algorithm_uses_the_dtype_crossover(ran_paths, monkeypatch):
+    """``algorithm="auto"`` compares ``L`` with ``TILED_MAX_LENGTH[h.dtype]``; a plan always means sort."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setitem(function.TILED_MAX_LENGTH, torch.float32, 16)
+    monkeypatch.setitem(function.TILED_MAX_LENGTH, torch.float16, 32)
+    h, ids = _inputs(length=24, dim=6, vocab=2)
+    h, ids = h.to(device), ids.to(device)
+    _check_against_reference(h, ids, 2, backend="triton")
+    _check_against_reference(h.half(), ids, 2, backend="triton")
+    _check_against_reference(h.half(), ids, 2, backend="triton", plan=build_ngram_plan(ids, 2))
+    assert ran_paths == ["sort-triton", "tiled", "sort-triton"]
+
+
+# --- the tiled kernel: compile-time n ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tiled_every_n_on_the_same_inputs(dtype):
+    """``n`` is a constexpr of the tiled kernels (one compile each): successive calls with n = 1..5 and back
+    to 1 on the same ids must each match the reference (a compile reused across n would not). L = 100
+    spans two 64-query tiles and four 32-key tiles, so both the below-diagonal loops (no causal compare)
+    and the diagonal ones run; vocabulary 2 gives matches at every n."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 2, (2, 100), generator=gen)
+    ids[1, 40:47] = -1
+    h = torch.randn(2, 100, 20, generator=gen).to(dtype)
+    for n in (1, 2, 3, 4, 5, 1):
+        _check_against_reference(h.to(device), ids.to(device), n, backend="triton", algorithm="tiled")
+
+
+def test_tiled_autotune_key():
+    """The tiled kernels re-tune per feature width, ``size_bucket(B * L)``, ``n`` and dot precision."""
+    pytest.importorskip("triton")
+    from icrl_kernels.ngram import tiled_kernels
+
+    for kernel in (tiled_kernels._ngram_tiled_forward_kernel, tiled_kernels._ngram_tiled_backward_kernel):
+        assert list(kernel.keys) == ["D", "SIZE_BUCKET", "N", "HALF_DOT"]
+
+
+_OFFLINE_COMPILE_TILED = """
+import itertools
+from icrl_kernels.ngram import tiled_kernels
+from icrl_kernels.testing import compile_offline, config_jobs
+
+# D = 512 (benchmarks/bench_ngram_attention.py; D = 64 and 256 specialise the same: multiples of 16) at
+# L = 1024, the longest L that algorithm="auto" sends to the tiled kernel; n = 1, 2 and 4 (N-Gram AD
+# stacks 1, 2, 3 or 1, 2, 4; register use grows with the unrolled n). Every config in bf16 (fp16 takes
+# the same path) and fp32.
+jobs = []
+for kernel, dtype, n in itertools.product(
+    [tiled_kernels._ngram_tiled_forward_kernel, tiled_kernels._ngram_tiled_backward_kernel], ["bf16", "fp32"], [1, 2, 4]
+):
+    L, D = 1024, 512
+    signature = {"ids_ptr": "*i64", "count_ptr": "*i32", "L": L, "D": D, "SIZE_BUCKET": 8 * L,
+                 **dict.fromkeys(("h_ptr", "out_ptr", "grad_out_ptr", "grad_h_ptr"), "*" + dtype),
+                 **dict.fromkeys(("stride_hb", "stride_ob", "stride_gb"), L * D),  # contiguous [B, L, D]
+                 **dict.fromkeys(("stride_hl", "stride_ol", "stride_gl"), D)}
+    jobs += config_jobs(kernel, signature, {"N": n, "HALF_DOT": dtype == "bf16"}, L=L, D=D, dtype=dtype, n=n)
+compile_offline(jobs)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
+def test_tiled_kernels_compile_for_sm90_offline():
+    """Every autotune config of both tiled kernels compiles to sm_90 at n = 1, 2, 4 in bf16 and fp32
+    without spilling more than ``MAX_SPILL_BYTES`` per thread (run with ``-s`` for the register report)."""
+    reports = run_offline_compile(_OFFLINE_COMPILE_TILED)
+    check_offline_reports(reports, {"_ngram_tiled_forward_kernel", "_ngram_tiled_backward_kernel"})
+    assert len(reports) == 2 * 3 * (len(function_configs("forward")) + len(function_configs("backward")))
+
+
+def function_configs(which: str) -> tuple:
+    from icrl_kernels._triton import autotune_configs
+    from icrl_kernels.ngram import tiled_kernels
+
+    return autotune_configs(getattr(tiled_kernels, f"_ngram_tiled_{which}_kernel"))

@@ -23,6 +23,9 @@ class NGramAttention(nn.Module):
         n: n-gram length, ``>= 1``.
         bias: whether the two linear maps have a bias.
         backend: ``"auto"``, ``"triton"``, ``"eager"`` or ``"reference"`` (see ``ngram_attention``).
+            ``"auto"`` is Triton where it runs; on the CPU it is the dense reference up to
+            ``CPU_DENSE_MAX_LENGTH`` positions (faster there) and the eager sort path beyond, unless
+            :meth:`forward` gets a ``plan``, which always means the sort path.
 
     Shapes:
         ``h [B, L, D]``, ``ids [B, L]`` (int, negative = padding) -> ``[B, L, D]``.
@@ -37,6 +40,7 @@ class NGramAttention(nn.Module):
         self.skip_proj = nn.Linear(d_model, d_model, bias=bias)  # W_h
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, *, plan: NGramPlan | None = None) -> torch.Tensor:
+        """``h [B, L, D]``, ``ids [B, L]`` -> ``[B, L, D]``; ``plan``: a shared :func:`ngram_plan` of ``(ids, n)``."""
         mixed = ngram_attention(h, ids, self.n, backend=self.backend, plan=plan)
         return self.attn_proj(mixed) + self.skip_proj(h)
 

@@ -101,10 +101,58 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
 
 ALGORITHMS = ("auto", "sort", "tiled")
 
-#: Up to this context length the ``"auto"`` algorithm of the Triton backend is the tiled kernel.
-#: An estimate (no GPU measurement yet): the tiled kernel does O(L^2 D) work in two launches, the
-#: sort path O(L D) memory traffic plus a sort and a dozen small launches.
-TILED_MAX_LENGTH = 512
+#: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
+#: is the tiled kernel, beyond it the sort path. ESTIMATES for an H100, not measurements (no GPU run
+#: yet): ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over
+#: ``L`` in fp32 and bf16 (``test_ngram_tiled_crossover``); set these from where they cross.
+#:
+#: The arithmetic (B = 8, D = 512, n = 2, fwd + bwd; H100 SXM at ~1.75 GHz: 132 SMs x 64 int32 lanes
+#: = 15e12 integer ops/s, x 128 fp32 lanes = 30e12 FMA/s, ~600e12 FLOP/s for Triton's bf16 dots,
+#: ~3e12 B/s of HBM):
+#:
+#: * tiled, bf16/fp16: ``B L^2`` pattern elements (half of ``L^2`` in each of the two kernels), each
+#:   costing ~3n + 2 = 8 integer ops per column block of ``D`` (2 blocks of 256) = ``128 L^2`` ops,
+#:   ~0.9e-11 L^2 s; and 1.5 ``B L^2 D`` MACs (the backward has two dots) = ``12288 L^2`` FLOPs,
+#:   ~2.0e-11 L^2 s; ~3e-11 L^2 s with partial overlap, plus two launches (~10 us) and ``4 B L D s``
+#:   bytes (~11 us at L = 1024). L = 1024: ~50 us; L = 2048: ~140 us.
+#: * tiled, fp32: the dots are IEEE fp32 on the FMA units, not tensor cores: ``B L^2 D`` = ``4096 L^2``
+#:   FMAs at ~70 % of 30e12/s = ~2e-10 L^2 s. L = 512: ~65 us; L = 1024: ~220 us.
+#: * sort path: memory-bound (``4 B L D s`` bytes, twice over for its prefix-sum passes) plus a fixed
+#:   ~60-80 us of key packing, ``torch.sort`` and a dozen small launches: ~90 us (fp32) at L = 512,
+#:   ~100-120 us at L = 1024, ~120-160 us at L = 2048.
+#:
+#: So fp32 crosses between 512 and 1024 and half precision between 1024 and 2048; each value below is
+#: the lower end, where the estimate still favours the tiled kernel with a margin. At N-Gram AD's
+#: D = 64, B = 32 the fp32 crossover lands in the same bracket (``B D`` is half as large, the sort's
+#: fixed cost the same).
+TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 512, torch.float16: 1024, torch.bfloat16: 1024}
+
+#: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
+#: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it. From
+#: ``benchmarks/ngram_cpu_crossover.py`` (forward + backward of both paths over ``L``, at N-Gram AD's
+#: and DESIGN.md's shapes). PLACEHOLDER until that script runs on a quiet machine: the earlier
+#: measurement (``benchmarks/results/README.md``, B = 8, D = 256, n = 2) had the dense path faster up
+#: to L = 256 and about even at 512, and N-Gram AD's train step at L = 200 took 200 ms dense against
+#: 235 ms on the eager sort path.
+CPU_DENSE_MAX_LENGTH = 512
+
+#: ... as long as the dense pattern stays small: ``B * L * L`` at most this many elements (128 MiB as
+#: fp32; the reference also keeps a bool copy and the autograd graph keeps the fp32 one). Both paths
+#: are linear in ``B``, so this bounds memory, not the crossover: a huge batch takes the sort path.
+CPU_DENSE_MAX_PATTERN_ELEMENTS = 2**25
+
+
+def _cpu_auto_uses_dense(h: torch.Tensor, plan: NGramPlan | None) -> bool:
+    """Whether ``backend="auto"``, resolved to eager, should take the dense reference instead (see
+    ``CPU_DENSE_MAX_LENGTH``). A given ``plan`` keeps the sort path: the caller has already paid for the
+    sort (to share it across layers), and the dense path would ignore it."""
+    batch, length, _ = h.shape
+    return (
+        plan is None
+        and h.device.type == "cpu"
+        and length <= CPU_DENSE_MAX_LENGTH
+        and batch * length * length <= CPU_DENSE_MAX_PATTERN_ELEMENTS
+    )
 
 
 def ngram_attention(
@@ -127,12 +175,15 @@ def ngram_attention(
         h: hidden states ``[B, L, D]``, fp32/fp16/bf16 (fp64 on the eager and reference backends).
         ids: token ids ``[B, L]``, integer, same device as ``h``; any magnitude.
         n: n-gram length, ``n >= 1`` (``n > L`` gives all zeros).
-        backend: ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else eager),
-            ``"triton"``, ``"eager"`` (sort + prefix sums in PyTorch) or ``"reference"`` (dense O(L^2)).
-        plan: a precomputed :func:`ngram_plan` of ``(ids, n)``, to share the sort across layers.
+        backend: ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``; otherwise, on the CPU, the
+            dense reference up to ``CPU_DENSE_MAX_LENGTH`` positions, where it is faster, and eager
+            beyond), ``"triton"``, ``"eager"`` (always sort + prefix sums in PyTorch) or
+            ``"reference"`` (dense O(L^2)).
+        plan: a precomputed :func:`ngram_plan` of ``(ids, n)``, to share the sort across layers. A plan
+            always selects a sort path: ``"auto"`` then never takes the dense or tiled path.
         algorithm: Triton backend only: ``"sort"`` (sort + segmented sums, O(L log L + L D)),
             ``"tiled"`` (on-the-fly mask tiles, O(L^2 D), no sort) or ``"auto"`` (tiled up to
-            ``TILED_MAX_LENGTH`` positions unless a plan is given, sort beyond).
+            ``TILED_MAX_LENGTH[h.dtype]`` positions unless a plan is given, sort beyond).
 
     Returns:
         ``[B, L, D]`` in ``h.dtype``; differentiable w.r.t. ``h`` (ids get no gradient).
@@ -147,13 +198,15 @@ def ngram_attention(
     impl = resolve_backend(backend, h.device)
     if algorithm == "tiled" and impl != "triton":
         raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
+    if backend == "auto" and impl == "eager" and _cpu_auto_uses_dense(h, plan):
+        impl = "reference"
     if impl == "reference":
         return ngram_attention_reference(h, ids, n)
     if impl == "triton":
         if h.dtype not in KERNEL_FLOAT_DTYPES:
             raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
         if algorithm == "auto":
-            algorithm = "tiled" if plan is None and h.shape[1] <= TILED_MAX_LENGTH else "sort"
+            algorithm = "tiled" if plan is None and h.shape[1] <= TILED_MAX_LENGTH[h.dtype] else "sort"
         if algorithm == "tiled":
             return ngram_attention_tiled_op(h, ids, n)[0]
     if plan is None:
