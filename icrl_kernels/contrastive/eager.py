@@ -1,9 +1,10 @@
 """Eager PyTorch path of InfoNCE and action selection: the kernels' algorithm in row chunks.
 
 Works on the canonical layout of :mod:`.function` (``pred [B, T, D]``, ``embeds [1 or B, A, D]``,
-``targets [B, T]``, ``mask [1 or B, 1 or T, A]`` or ``None``). Logits exist only one chunk of rows at
-a time (at most :data:`CHUNK_ELEMENTS` of them), so memory stays O(N D + chunk A) even for a million
-actions; the backward recomputes each chunk's logits from the saved log-sum-exp instead of keeping them.
+``targets [B, T]``, ``mask [1 or B, 1 or T, A_pad]`` uint8 with ``A_pad >= A``, or ``None``). Logits
+exist only one chunk of rows at a time (at most :data:`CHUNK_ELEMENTS` of them), so memory stays
+O(N D + chunk A) even for a million actions; the backward recomputes each chunk's logits from the saved
+log-sum-exp instead of keeping them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _chunk_logits(pred, embeds, mask, tau, seqs: slice, steps: slice) -> torch.T
     logits = torch.matmul(pred[seqs, steps].float(), chunk_embeds.float().transpose(1, 2)) / tau
     if mask is not None:
         chunk_mask = mask if mask.shape[0] == 1 else mask[seqs]
-        chunk_mask = chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, steps]
+        chunk_mask = (chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, steps])[..., : logits.shape[-1]]
         logits = logits.masked_fill(chunk_mask == 0, float("-inf"))
     return logits
 
@@ -85,15 +86,77 @@ def infonce_backward_eager(row_weights, pred, embeds, targets, mask, lse, tau: f
     return grad_pred.to(pred.dtype), grad_embeds.to(embeds.dtype)
 
 
-def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, generator) -> torch.Tensor:
-    """``[B, T]`` int64: argmax of the logits, plus Gumbel noise drawn from ``generator`` when sampling."""
-    actions = torch.empty(pred.shape[:2], dtype=torch.int64, device=pred.device)
-    for seqs, steps in _chunks(pred, embeds.shape[1]):
-        logits = _chunk_logits(pred, embeds, mask, tau, seqs, steps)
+def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor):
+    """``([B, T] int64 actions, 0-d bool "an available logit is NaN")``: per row the lowest available
+    action of highest ``logit`` (+ Gumbel noise from the device tensor ``seed`` when sampling).
+
+    Never a masked action, whatever the values: NaN scores rank lowest, and a row whose available
+    scores are all -inf or NaN gets its first available action. No host read anywhere.
+    """
+    batch, steps = pred.shape[:2]
+    num_actions = embeds.shape[1]
+    actions = torch.empty((batch, steps), dtype=torch.int64, device=pred.device)
+    saw_nan = torch.zeros((), dtype=torch.bool, device=pred.device)
+    for seqs, step_slice in _chunks(pred, num_actions):
+        logits = _chunk_logits(pred, embeds, mask, tau, seqs, step_slice)
+        # From the mask, not from the logits: a real logit may be -inf too (overflow at a tiny tau).
+        available = torch.ones(logits.shape, dtype=torch.bool, device=pred.device)
+        if mask is not None:
+            chunk_mask = mask if mask.shape[0] == 1 else mask[seqs]
+            chunk_mask = (chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, step_slice])[..., :num_actions]
+            available = available & (chunk_mask != 0)
+        is_nan = logits.isnan()
+        saw_nan |= (is_nan & available).any()
         if sample:
-            logits += gumbel_noise(logits.shape, generator=generator, device=logits.device)
-        actions[seqs, steps] = logits.argmax(dim=-1)
-    return actions
+            rows = (
+                torch.arange(batch, device=pred.device)[seqs, None] * steps
+                + torch.arange(steps, device=pred.device)[None, step_slice]
+            )
+            counter = rows[..., None] * num_actions + torch.arange(num_actions, device=pred.device)
+            logits = logits + _hashed_gumbel(seed, counter)
+        scores = torch.where(available & ~is_nan, logits, float("-inf"))
+        best = scores.amax(dim=-1, keepdim=True)
+        # The lowest available id among the best (also when every available score is -inf).
+        ids = torch.arange(num_actions, device=pred.device)
+        pick = torch.where(available & (scores == best), ids, num_actions).amin(dim=-1)
+        actions[seqs, step_slice] = pick
+    return actions, saw_nan
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2^32`` for int64 ``x`` in ``[0, 2^32)`` and a 32-bit constant, without int64 overflow
+    (16-bit halves: each product stays below 2^48)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser (an avalanching bijection of ``[0, 2^32)``), in int64 arithmetic."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _hashed_gumbel(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """fp32 standard Gumbel noise, a pure function of ``(seed, counter)`` computed on the device.
+
+    ``seed``: int64 ``[1]`` in ``[0, 2^62)``; ``counter``: int64 ``row * A + action``. Two 32-bit hashes
+    chained over the seed's and the counter's 32-bit halves give 64 random bits per draw, of which 52
+    make ``u = (k + 1/2) / 2^52`` uniform in (0, 1) (exact in float64), so ``-log(-log(u))`` stays finite.
+    """
+    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    key = _fmix32(seed_lo ^ _fmix32(seed_hi ^ 0x9E3779B9))
+    count_lo, count_hi = counter & _MASK32, (counter >> 32) & _MASK32
+    first = _fmix32(count_lo ^ _fmix32(count_hi ^ key))
+    second = _fmix32(first ^ _fmix32(key ^ 0x7F4A7C15))
+    bits = (first << 20) | (second >> 12)  # 52 bits: first's 32 and second's top 20
+    uniform = (bits.double() + 0.5) / 2.0**52
+    return (-torch.log(-torch.log(uniform))).float()
 
 
 def gumbel_noise(shape, *, generator=None, device=None) -> torch.Tensor:

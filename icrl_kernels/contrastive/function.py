@@ -17,6 +17,7 @@ from .._validation import (
     check_positive_float,
     check_same_device,
     check_tensor,
+    check_values,
 )
 from .eager import infonce_backward_eager, infonce_forward_eager, select_actions_eager
 from .reference import IGNORE_INDEX, infonce_loss_reference, reduce_row_losses, select_actions_reference
@@ -76,8 +77,35 @@ def _canonical(pred: object, action_embeds: object, mask: object) -> _Canonical:
 
 def _check_rows_have_actions(mask: torch.Tensor | None) -> None:
     # Data-dependent: called inside the opaque ops, so compiled graphs (fullgraph) still raise.
-    if mask is not None and not bool(mask.any(dim=-1).all()):
-        raise ValueError("mask leaves a row with no available action (every row needs at least one)")
+    if mask is not None:
+        check_values(
+            mask.any(dim=-1).all().logical_not(),
+            "mask leaves a row with no available action (every row needs at least one)",
+        )
+
+
+def _padded_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The canonical uint8 mask for the Triton kernels: ``[1 or B, 1 or T, A_pad]``, ``A_pad`` the next
+    multiple of 16 (columns past ``A`` zero), contiguous along actions, rows 16-byte aligned.
+
+    The kernels load mask rows in 16-byte vectors only where rows are aligned and the load bound is a
+    multiple of 16; at A = 125 they went element by element and spilled ~2 KB per thread. One copy per
+    call (the backward reuses the saved, padded mask), and none when the mask is already aligned.
+    """
+    if mask is None:
+        return None
+    num_actions = mask.shape[-1]
+    aligned = (
+        num_actions % 16 == 0
+        and mask.stride(-1) == 1
+        and all(mask.shape[i] == 1 or mask.stride(i) % 16 == 0 for i in range(mask.dim() - 1))
+        and mask.data_ptr() % 16 == 0
+    )
+    if aligned:
+        return mask
+    padded = mask.new_zeros(mask.shape[:-1] + (-(-num_actions // 16) * 16,))
+    padded[..., :num_actions] = mask
+    return padded
 
 
 def _check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
@@ -90,21 +118,24 @@ def _check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
 
 
 def _check_target_values(targets: torch.Tensor, mask: torch.Tensor | None, num_actions: int, ignore_index: int):
-    """Targets in ``[0, A)`` (or ``ignore_index``) and available. One host sync for both checks."""
+    """Targets in ``[0, A)`` (or ``ignore_index``) and available, checked on the device (no host read on
+    GPU; examples of bad targets are gathered only when a synchronous check fails)."""
     used = targets != ignore_index
     out_of_range = used & ((targets < 0) | (targets >= num_actions))
-    unavailable = torch.zeros_like(used)
+    check_values(
+        out_of_range.any(),
+        f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}",
+        lambda: f", got {targets[out_of_range][:5].tolist()}",
+    )
     if mask is not None:
         index = targets.clamp(0, num_actions - 1)
-        allowed = mask.expand(targets.shape + (num_actions,)).gather(-1, index[..., None])[..., 0]
+        allowed = mask[..., :num_actions].expand(targets.shape + (num_actions,)).gather(-1, index[..., None])[..., 0]
         unavailable = used & ~out_of_range & (allowed == 0)
-    bad_range, bad_mask = torch.stack([out_of_range.any(), unavailable.any()]).tolist()
-    if bad_range:
-        example = targets[out_of_range][:5].tolist()
-        raise ValueError(f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}, got {example}")
-    if bad_mask:
-        example = targets[unavailable][:5].tolist()
-        raise ValueError(f"targets include actions that mask marks unavailable, e.g. {example}")
+        check_values(
+            unavailable.any(),
+            "targets include actions that mask marks unavailable",
+            lambda: f", e.g. {targets[unavailable][:5].tolist()}",
+        )
 
 
 # -- custom ops ------------------------------------------------------------------------------------
@@ -178,21 +209,39 @@ def select_actions_op(
     mask: Optional[torch.Tensor],  # noqa: UP045
     tau: float,
     sample: bool,
-    seed: int,
+    seed: torch.Tensor,
     impl: str,
 ) -> torch.Tensor:
+    """``seed``: int64 tensor of one element on ``pred``'s device (read by the kernel, never by the host)."""
     _check_rows_have_actions(mask)
     if impl == "triton":
         from .kernels import select_actions_triton
 
-        return select_actions_triton(pred, embeds, mask, tau, sample, seed)
-    generator = torch.Generator(device=pred.device).manual_seed(seed) if sample else None
-    return select_actions_eager(pred, embeds, mask, tau, sample, generator)
+        actions, nan_rows = select_actions_triton(pred, embeds, mask, tau, sample, seed)
+        saw_nan = nan_rows.any()
+    else:
+        actions, saw_nan = select_actions_eager(pred, embeds, mask, tau, sample, seed)
+    # The choice is an available action whatever the values; NaN inputs are still an error to report.
+    check_values(
+        saw_nan,
+        "pred or action_embeds contains NaN (a logit of an available action is NaN)",
+        lambda: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}",
+    )
+    return actions
 
 
 @select_actions_op.register_fake
 def _select_actions_fake(pred, embeds, mask, tau, sample, seed, impl):
     return pred.new_empty(pred.shape[:2], dtype=torch.int64)
+
+
+def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One int64 seed as a ``[1]`` tensor on ``device``, drawn from ``generator`` (torch's global CPU
+    generator when None) on the generator's own device and copied without a host read or a stream sync
+    (a CPU -> CUDA copy of 8 pageable bytes with ``non_blocking=True`` does not wait for the GPU)."""
+    seed_device = generator.device if generator is not None else torch.device("cpu")
+    seed = torch.randint(0, 2**62, (1,), generator=generator, device=seed_device)
+    return seed.to(device, non_blocking=True)
 
 
 # -- public functions ------------------------------------------------------------------------------
@@ -236,9 +285,16 @@ def infonce_loss(
     Returns:
         float32 loss; differentiable w.r.t. ``pred`` and ``action_embeds``.
 
+    Precision: the gradients are computed in fp32 (every scale, ``1 / tau``, the upstream gradient and the
+    mean's ``1 / N``, applied in fp32) and rounded once to the input dtype, so fp16/bf16 gradients are as
+    accurate as the fp32 gradient rounded to that dtype. fp16 training still needs loss scaling, as
+    anywhere: with ``reduction="mean"`` each row's gradient carries ``1 / N``, and at N = 65536 most of
+    ``grad_pred`` lies in fp16's subnormal range (below 6.1e-5), where it keeps only a few bits.
+
     Raises:
         ValueError: shape/width mismatch, tau <= 0, a target out of range or unavailable, a row whose
-            mask allows no action. TypeError: wrong dtypes.
+            mask allows no action. TypeError: wrong dtypes. The value checks (targets, mask rows) run on
+            the device: on CUDA they are asynchronous device asserts (see ``set_value_checks``).
     """
     canonical = _canonical(pred, action_embeds, mask)
     targets = _check_targets(targets, pred)
@@ -254,8 +310,10 @@ def infonce_loss(
         return infonce_loss_reference(
             pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
         )
+    # Triton: a padded copy of a misaligned mask, made once per call (the backward reuses the saved one).
+    mask3 = _padded_mask(canonical.mask) if impl == "triton" else canonical.mask
     losses = infonce_op(
-        canonical.pred.contiguous(), canonical.embeds.contiguous(), targets2.contiguous(), canonical.mask,
+        canonical.pred.contiguous(), canonical.embeds.contiguous(), targets2.contiguous(), mask3,
         tau, ignore_index, impl,
     )[0].reshape(targets.shape)  # fmt: skip
     return reduce_row_losses(losses, targets, reduction, ignore_index)
@@ -275,8 +333,11 @@ def select_actions(
 
     ``mode="argmax"``: the most similar available action (the lowest id among exact ties), what
     ``torch.argmax`` of the reference logits gives. ``mode="sample"``: Gumbel-max sampling, exactly a
-    draw from the softmax; one seed is drawn from ``generator`` (or torch's global generator), so a
-    seeded generator makes the draw reproducible. Unavailable actions are never chosen.
+    draw from the softmax; one seed is drawn from ``generator`` (or torch's global CPU generator), so a
+    seeded generator makes the draw reproducible (the seed stays a tensor: no host read, also with a
+    CUDA generator). Unavailable actions are never chosen, whatever the values (NaN, overflowing
+    logits); NaN in ``pred`` or ``action_embeds`` (in a logit of an available action) raises
+    ``ValueError`` on CPU and is an asynchronous device assert on CUDA (see ``set_value_checks``).
 
     Args:
         pred, action_embeds, mask: as in :func:`infonce_loss`.
@@ -304,11 +365,10 @@ def select_actions(
             shape = tuple(pred.shape[:-1]) + (action_embeds.shape[-2],)
             gumbel = gumbel_noise(shape, generator=generator, device=pred.device)
         return select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)
-    seed = 0
-    if sample:
-        seed_device = generator.device if generator is not None else torch.device("cpu")
-        seed = int(torch.randint(0, 2**62, (), generator=generator, device=seed_device))
+    # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
+    seed = _draw_seed(generator, pred.device) if sample else torch.zeros(1, dtype=torch.int64, device=pred.device)
+    mask3 = _padded_mask(canonical.mask) if impl == "triton" else canonical.mask
     actions = select_actions_op(
-        canonical.pred.contiguous(), canonical.embeds.contiguous(), canonical.mask, tau, sample, seed, impl
+        canonical.pred.contiguous(), canonical.embeds.contiguous(), mask3, tau, sample, seed, impl
     )
     return actions.reshape(pred.shape[:-1])
