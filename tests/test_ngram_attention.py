@@ -6,11 +6,17 @@ Every test draws fresh random inputs and compares the output and the gradient w.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from torch._library.custom_ops import _maybe_get_opdef
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from icrl_kernels import ngram_attention, ngram_attention_reference, ngram_plan
-from icrl_kernels.ngram.plan import ngram_keys
+import icrl_kernels
+from icrl_kernels import NGramDecodeState, ngram_attention, ngram_attention_reference, ngram_plan, transition_ids
+from icrl_kernels.ngram import kernels as ngram_kernels
+from icrl_kernels.ngram.plan import SEGMENT_START, build_ngram_plan, ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
 from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
 
@@ -202,22 +208,31 @@ def test_non_contiguous_inputs(backend, algorithm, device):
 _OFFLINE_COMPILE = """
 import itertools
 from icrl_kernels.ngram import kernels, tiled_kernels
-from icrl_kernels.testing import compile_offline, config_jobs
+from icrl_kernels.testing import CompileJob, compile_offline, config_jobs
 
 # benchmarks/bench_ngram_attention.py (DESIGN.md section 5): D = 512 and 256 (the same specialisation: both
-# are multiples of 16, so they compile once), the sort path at L = 4096, the tiled one at L = 256 (it runs
-# up to L = 512). Every autotune config in bf16 (fp16 takes the same path) and fp32.
+# are multiples of 16, so they compile once), the sort path at L = 4096 (B = 16: chunks of 384, 11 a row),
+# the tiled one at L = 256 (it runs up to L = 512). Every autotune config in bf16 (fp16 takes the same
+# path) and fp32; the sort path's carry kernels in their one config.
 jobs = []
 for (kernel, L), D, dtype in itertools.product(
     [(kernels._ngram_forward_kernel, 4096), (kernels._ngram_backward_kernel, 4096),
+     (kernels._ngram_forward_carry_kernel, 4096), (kernels._ngram_backward_carry_kernel, 4096),
      (tiled_kernels._ngram_tiled_forward_kernel, 256), (tiled_kernels._ngram_tiled_backward_kernel, 256)],
     [512, 256], ["bf16", "fp32"],
 ):
     signature = {"perm_ptr": "*i64", "meta_ptr": "*u8", "ids_ptr": "*i64", "count_ptr": "*i32", "L": L, "D": D, "n": 2,
+                 "partial_ptr": "*fp32", "boundary_ptr": "*i32", "CHUNK_L": 384, "NUM_CHUNKS": 11,
+                 "SIZE_BUCKET": 16 * L,
                  **dict.fromkeys(("h_ptr", "out_ptr", "grad_out_ptr", "grad_h_ptr"), "*" + dtype),
                  **dict.fromkeys(("stride_hb", "stride_ob", "stride_gb"), L * D),  # contiguous [B, L, D]
                  **dict.fromkeys(("stride_hl", "stride_ol", "stride_gl"), D)}
-    jobs += config_jobs(kernel, signature, {"HALF_DOT": dtype == "bf16"}, L=L, D=D, dtype=dtype)
+    if kernel in (kernels._ngram_forward_carry_kernel, kernels._ngram_backward_carry_kernel):
+        constexprs = {"BLOCK_L": kernels._CARRY_BLOCK_L, "BLOCK_D": kernels._CARRY_BLOCK_D}
+        jobs.append(CompileJob(kernel, signature, constexprs, kernels._CARRY_WARPS, 3,
+                               {"config": "carry", "L": L, "D": D, "dtype": dtype}))
+    else:
+        jobs += config_jobs(kernel, signature, {"HALF_DOT": dtype == "bf16", "N": 2}, L=L, D=D, dtype=dtype)
 compile_offline(jobs)
 """
 
@@ -228,5 +243,204 @@ def test_kernels_compile_for_sm90_offline():
     cubins in every autotune config, in bf16 and fp32, at the benchmark shapes, and check that none spills
     more than ``MAX_SPILL_BYTES`` per thread."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
-    check_offline_reports(reports, {"_ngram_forward_kernel", "_ngram_backward_kernel", "_ngram_tiled_forward_kernel",
+    check_offline_reports(reports, {"_ngram_forward_kernel", "_ngram_backward_kernel", "_ngram_forward_carry_kernel",
+                                    "_ngram_backward_carry_kernel", "_ngram_tiled_forward_kernel",
                                     "_ngram_tiled_backward_kernel"})  # fmt: skip
+
+
+# --- sort path: rows split into chunks (carry pass + look-back) ------------------------------------
+
+TRITON_DEVICES = triton_devices()
+
+
+def _segment_chunk_spans(ids: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
+    """For every segment of the plan (every row), how many chunks of ``chunk`` sorted positions it touches."""
+    meta = build_ngram_plan(ids.cpu(), n).meta
+    spans = []
+    for row in meta:
+        starts = ((row & SEGMENT_START) != 0).nonzero().flatten().tolist() + [row.numel()]
+        spans += [(end - 1) // chunk - start // chunk + 1 for start, end in zip(starts[:-1], starts[1:])]
+    return torch.tensor(spans)
+
+
+@pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "batch,length,dim,vocab,n,padding,chunk",
+    [
+        (2, 70, 19, 3, 1, 0.1, 16),  # segments of ~20 positions cross chunk boundaries
+        (1, 90, 33, 1, 1, 0.0, 8),  # one token repeated: one segment spans all 12 chunks
+        (2, 56, 24, 2, 2, 0.2, 7),  # ragged chunks (7 is not a tile multiple), padding ids
+        (1, 50, 9, 40, 1, 0.0, 5),  # mostly single-position segments: boundaries in every chunk
+    ],
+)
+def test_sort_path_chunked_parity(device, dtype, batch, length, dim, vocab, n, padding, chunk):
+    """Forward and backward with rows cut into many chunks, so that segments cross chunk boundaries."""
+    gen = torch.Generator().manual_seed(97 * length + chunk)
+    ids = random_ids(batch, length, vocab, generator=gen, padding=padding)
+    spans = _segment_chunk_spans(ids, n, chunk)
+    assert spans.max() >= 3 if vocab <= 2 else spans.max() >= 2  # the carry path is exercised
+    h = torch.randn(batch, length, dim, generator=gen).to(device=device, dtype=dtype)
+    with ngram_kernels.forced_chunk_length(chunk):
+        check_parity(h, ids.to(device), n, "triton", "sort")
+
+
+@pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("length,chunk", [(1, 1), (1, 128), (2, 1), (5, 2)])
+def test_sort_path_chunked_short_rows(device, length, chunk):
+    gen = torch.Generator().manual_seed(length + 10 * chunk)
+    ids = random_ids(2, length, 2, generator=gen)
+    h = torch.randn(2, length, 5, generator=gen).to(device)
+    with ngram_kernels.forced_chunk_length(chunk):
+        check_parity(h, ids.to(device), 1, "triton", "sort")
+
+
+@pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("kernel_name", ["_ngram_forward_kernel", "_ngram_backward_kernel"])
+@pytest.mark.parametrize("config_index", range(len(ngram_kernels._CONFIGS)))
+def test_sort_path_chunked_every_config(device, kernel_name, config_index):
+    """Each autotune config (the interpreter otherwise runs only the first) with chunks shorter than its
+    tile and a segment spanning many chunks."""
+    from icrl_kernels.testing import forced_config
+
+    gen = torch.Generator().manual_seed(config_index)
+    ids = random_ids(1, 60, 2, generator=gen, padding=0.1)
+    h = torch.randn(1, 60, 40, generator=gen).to(device)
+    kernel = getattr(ngram_kernels, kernel_name)
+    with forced_config(kernel, ngram_kernels._CONFIGS[config_index]), ngram_kernels.forced_chunk_length(9):
+        check_parity(h, ids.to(device), 1, "triton", "sort")
+
+
+@pytest.mark.parametrize(
+    "batch,length,dim,fills",
+    [(8, 4096, 512, True), (16, 4096, 512, True), (16, 4096, 256, True), (4, 8192, 512, True),
+     (1, 65536, 64, False), (2, 300, 32, False)],
+)  # fmt: skip
+def test_chunking_fills_the_gpu(batch, length, dim, fills):
+    """At the benchmark shapes (DESIGN.md: B = 8..16, L = 4096, D = 256..512) every config's grid has >= 4
+    programs per H100 SM; chunks are whole tiles, within max_chunks (which bounds the look-back and
+    wins over filling the GPU when B * D is small)."""
+    chunk = ngram_kernels.chunk_length(batch, length, dim)
+    chunks = -(-length // chunk)
+    assert chunk % ngram_kernels._MAX_BLOCK_L == 0
+    assert chunks <= ngram_kernels.max_chunks(length) or chunk == ngram_kernels._MAX_BLOCK_L
+    fewest_programs = min(batch * chunks * -(-dim // c.kwargs["BLOCK_D"]) for c in ngram_kernels._CONFIGS)
+    assert (fewest_programs >= ngram_kernels.TARGET_PROGRAMS) == fills
+    assert ngram_kernels.chunk_length(batch, 100, dim) == 128  # short rows: one chunk of one tile or less
+
+
+# --- the plan: identical permutation, and no value read on the host ---------------------------------
+
+
+def _brute_force_perm(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions sorted by (n-gram as a tuple of ids, oldest first; invalid n-grams first), then position."""
+    length = ids.shape[1]
+    perms = []
+    for row in ids.tolist():
+
+        def key(t, row=row):
+            gram = row[t - n + 1 : t + 1] if t >= n - 1 else None
+            return (0, (), t) if gram is None or min(gram) < 0 else (1, tuple(gram), t)
+
+        perms.append(sorted(range(length), key=key))
+    return torch.tensor(perms)
+
+
+@pytest.mark.parametrize(
+    "dtype,vocab,n",
+    [(torch.int64, 3, 2), (torch.int64, 1 << 40, 3), (torch.int32, 7, 3), (torch.int16, 5, 4),
+     (torch.int8, 4, 9), (torch.uint8, 200, 8), (torch.int64, 3, 13), (torch.int32, 1 << 30, 2)],
+)  # fmt: skip
+def test_plan_permutation_is_lexicographic(dtype, vocab, n):
+    """Whatever the key encoding (ids packed by dtype bound, ranked and packed, re-ranked for long n),
+    the plan sorts positions by n-gram (lexicographic) then position, and equals the int64 plan."""
+    gen = torch.Generator().manual_seed(vocab % 1000 + n)
+    ids = torch.randint(0, min(vocab, 2**62), (3, 40), generator=gen)
+    if dtype != torch.uint8:
+        ids[torch.rand(3, 40, generator=gen) < 0.1] = -1
+    ids = ids.to(dtype)
+    plan = build_ngram_plan(ids, n)
+    assert torch.equal(plan.perm, _brute_force_perm(ids.long(), n))
+    for mine, wide in zip(plan, build_ngram_plan(ids.long(), n)):
+        assert torch.equal(mine, wide)
+
+
+class _FailOnHostRead(TorchDispatchMode):
+    """Fails on every op that would make the host wait for a CUDA device: a value read
+    (``aten._local_scalar_dense``; ``aten.item`` inside custom ops, which run above the autograd key) or an
+    output whose size depends on values."""
+
+    FORBIDDEN = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "unique",
+                 "_unique", "_unique2", "unique_consecutive", "unique_dim"}  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "icrl":  # a custom op: run its Python body with the mode on, to see inside it
+            with self:
+                return _maybe_get_opdef(func)._init_fn(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        assert name not in self.FORBIDDEN, f"host read: {func}"
+        if name in ("index", "index_put", "index_put_"):
+            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()), func
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_host_reads():
+    previous = icrl_kernels.set_value_checks("async")  # the GPU path of check_values, also on CPU
+    try:
+        with _FailOnHostRead():
+            yield
+    finally:
+        icrl_kernels.set_value_checks(previous)
+
+
+def test_detector_catches_host_reads(monkeypatch):
+    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
+        torch.ones(3).sum().item()
+    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
+        torch.unique(torch.ones(3))
+    # Also inside a custom op (the plan is one): the former vocabulary read is caught.
+    from icrl_kernels.ngram import plan as plan_module
+
+    original = plan_module.build_ngram_plan
+    monkeypatch.setattr(plan_module, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
+    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
+        ngram_plan(torch.zeros(1, 4, dtype=torch.long), 2)
+
+
+@pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_DEVICES else []))
+@pytest.mark.parametrize("n,vocab", [(1, 3), (2, 3), (3, 1 << 50)])
+def test_plan_and_op_without_host_reads(backend, n, vocab):
+    """The plan (keys, sort, flags, counts) and the op's forward and backward read no value on the host."""
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, vocab, (2, 30), generator=gen)
+    ids[0, :3] = -1
+    h = torch.randn(2, 30, 7, generator=gen, requires_grad=True)
+    chunked = ngram_kernels.forced_chunk_length(8) if backend == "triton" else contextlib.nullcontext()
+    with chunked, _no_host_reads():
+        build_ngram_plan(ids, n)
+        plan = ngram_plan(ids, n)
+        algorithm = "sort" if backend == "triton" else "auto"
+        out = ngram_attention(h, ids, n, backend=backend, algorithm=algorithm, plan=plan)
+        (grad,) = torch.autograd.grad(out, h, torch.ones_like(out))
+    h_ref = h.detach().requires_grad_(True)
+    ref = ngram_attention_reference(h_ref, ids, n)
+    (grad_ref,) = torch.autograd.grad(ref, h_ref, torch.ones_like(ref))
+    assert_close_rel(out, ref)
+    assert_close_rel(grad, grad_ref, name="grad_h")
+
+
+def test_token_ids_and_decode_without_host_reads():
+    states, actions, rewards = torch.tensor([[0, 2, 1, -1]]), torch.tensor([[1, 0, 2, 0]]), torch.tensor([[0, 1, 1, 0]])
+    with _no_host_reads():
+        ids = transition_ids(states, actions, rewards, num_states=3, num_actions=3, num_rewards=2)
+        state = NGramDecodeState(1, 3, 2, max_len=4)
+        for i in range(4):
+            state.step(torch.randn(1, 3), ids[:, i])
+        state.reset(torch.tensor([0]))
+        state.reset(torch.tensor([True]))
+    assert ids.tolist() == [[2, 13, 11, -1]]

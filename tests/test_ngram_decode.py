@@ -72,3 +72,33 @@ def test_module_step_equals_forward():
     state = layer.init_decode_state(2, max_len=25)
     stepped = torch.stack([layer.step(state, h[:, i], ids[:, i]) for i in range(25)], dim=1)
     assert_close_rel(stepped.detach(), full.detach(), name="module step")
+
+
+def test_decode_partial_reset_by_index_and_overflow_check():
+    """Rows reset by index start over (exactly); the host-side length bound does not outlive the reset (no
+    false max_len error), and the check still fires once a row is really full."""
+    gen = torch.Generator().manual_seed(6)
+    length, dim = 12, 4
+    ids = torch.randint(0, 2, (2, length), generator=gen)
+    h = torch.randn(2, length, dim, generator=gen)
+    state = NGramDecodeState(2, dim, 2, max_len=length)
+    for _ in range(5):
+        state.step(torch.randn(2, dim, generator=gen), torch.randint(0, 2, (2,), generator=gen))
+    state.reset(torch.tensor([0, 1]))  # every row, by index: the state cannot tell without reading the values
+    stepped = torch.stack([state.step(h[:, i], ids[:, i]) for i in range(length)], dim=1)
+    assert_close_rel(stepped, ngram_attention_reference(h, ids, 2), name="after reset by index")
+    with pytest.raises(ValueError, match="max_len"):
+        state.step(h[:, 0], ids[:, 0])
+
+
+def test_decode_distinct_keys_fill_the_table():
+    """Every position a new n-gram (the worst case for the table): max_len entries suffice, results exact."""
+    length = 33
+    ids = torch.arange(length).view(1, length).repeat(2, 1)
+    ids[1, length // 2 :] = ids[1, : length - length // 2].clone()  # row 1 repeats its first half
+    h = torch.randn(2, length, 3)
+    state = NGramDecodeState(2, 3, 1, max_len=length)
+    stepped = torch.stack([state.step(h[:, i], ids[:, i]) for i in range(length)], dim=1)
+    assert_close_rel(stepped, ngram_attention_reference(h, ids, 1), name="decoded")
+    # Keys are the n-grams ending at 0 .. L - 2: one entry per distinct one.
+    assert state.num_keys.tolist() == [len(set(row[:-1].tolist())) for row in ids] == [length - 1, length // 2]

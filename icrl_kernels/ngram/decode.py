@@ -1,42 +1,51 @@
 """Incremental (one position at a time) n-gram attention for in-context rollouts.
 
-Each batch row keeps an open-addressing hash table from n-gram to (running sum of values, count),
-stored in tensors so one step is a handful of vectorised ops whatever the context length. A step
-first answers the new query (its n-gram ends at the new position ``i``) from keys ``j <= i - 1``,
-then inserts the key ``j = i`` (n-gram ending at ``i - 1``, value ``h[i]``): that order is exactly the
-strict ``j < i`` of the full op.
+Each batch row keeps a table of the distinct n-grams seen as keys so far, in insertion order, with
+their running sum of values and count. A step first answers the new query (its n-gram ends at the new
+position ``i``) from keys ``j <= i - 1``, then inserts the key ``j = i`` (n-gram ending at ``i - 1``,
+value ``h[i]``): that order is exactly the strict ``j < i`` of the full op.
+
+**No host sync, exact by construction.** A lookup compares the n-gram with every occupied table entry
+at once (one ``[B, K, n]`` comparison, ``K`` = entries in use) and takes the matching entry; a new key
+goes to the row's next free entry. There is no hashing, so no probe sequence whose length depends on
+the data: a step is a fixed sequence of vectorised ops and never branches on a tensor value (the
+former open-addressing table looped ``while pending.any()``, one host read per probe round). ``K`` is a
+host-side bound (positions stepped since the last full :meth:`NGramDecodeState.reset`, at most
+``max_len``), so a step costs ``O(B * (D + n * K))`` element operations: ``B = 16, n = 2, K = 4096`` is
+131k integer compares, a few microseconds on a GPU, against the several host round trips of the probe
+loop. The ``max_len`` overflow check goes through ``check_values`` (an asynchronous device assert on
+CUDA) and runs only once the host-side bound reaches ``max_len``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_int, check_same_device, check_shape, check_tensor
-
-# Odd 63-bit multipliers for hashing the n ids of an n-gram (fixed: the table must be deterministic).
-_HASH_SEED = 0x9E3779B97F4A7C15 & ((1 << 63) - 1)
-
-
-def _hash_multipliers(n: int, device: torch.device) -> torch.Tensor:
-    values, state = [], _HASH_SEED
-    for _ in range(n):
-        state = (state * 6364136223846793005 + 1442695040888963407) & ((1 << 63) - 1)
-        values.append(state | 1)
-    return torch.tensor(values, dtype=torch.int64, device=device)
+from .._validation import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_int,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    check_values,
+)
 
 
 class NGramDecodeState:
     """Per-sequence state for stepping n-gram attention one position at a time.
 
     ``state.step(h_t, ids_t)`` returns the n-gram attention output for the new position; over a whole
-    sequence the outputs equal ``ngram_attention(h, ids, n)`` row by row. Each step costs O(B * D)
-    work (expected O(1) hash probes), independent of how many positions came before.
+    sequence the outputs equal ``ngram_attention(h, ids, n)`` row by row. Each step is a fixed sequence of
+    vectorised ops with no host sync; it costs ``O(B * (D + n * K))``, ``K`` = positions since the last
+    full reset (see the module docstring).
 
     Args:
         batch_size: number of sequences ``B`` stepped together.
         dim: feature width ``D`` of ``h``.
         n: n-gram length, ``n >= 1``.
-        max_len: the most positions a sequence will take (sizes the tables; more raises).
+        max_len: the most positions a sequence will take (sizes the tables; more raises ``ValueError``
+            on CPU, a device assert on CUDA).
         device, dtype: where the tables live and the dtype of the returned outputs. Sums are fp32
             (fp64 when ``dtype`` is fp64).
     """
@@ -59,44 +68,47 @@ class NGramDecodeState:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.capacity = 1 << max(4, (2 * self.max_len - 1).bit_length())
+        # One entry per distinct key: a row inserts at most one key per step, so max_len entries suffice.
+        self.capacity = self.max_len
         sum_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         B, C = self.batch_size, self.capacity
-        self._multipliers = _hash_multipliers(self.n, self.device)
         self._rows = torch.arange(B, device=self.device)
         self.table_keys = torch.zeros(B, C, self.n, dtype=torch.int64, device=self.device)
         self.table_used = torch.zeros(B, C, dtype=torch.bool, device=self.device)
         self.table_sum = torch.zeros(B, C, self.dim, dtype=sum_dtype, device=self.device)
         self.table_count = torch.zeros(B, C, dtype=torch.int64, device=self.device)
+        self.num_keys = torch.zeros(B, dtype=torch.int64, device=self.device)
         self.window = torch.full((B, self.n), -1, dtype=torch.int64, device=self.device)
         self.length = torch.zeros(B, dtype=torch.int64, device=self.device)
+        # Host-side upper bound of every row's length (and so of its number of keys): steps since the
+        # last full reset. A partial reset cannot lower it without reading which rows it cleared.
+        self._length_bound = 0
 
     def reset(self, rows: torch.Tensor | None = None) -> None:
         """Forget the context of the given rows (bool mask ``[B]`` or indices), or of every row."""
         if rows is None:
-            rows = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
-        self.table_used[rows] = False
-        self.table_sum[rows] = 0
-        self.table_count[rows] = 0
-        self.window[rows] = -1
-        self.length[rows] = 0
+            mask = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
+            self._length_bound = 0
+        elif rows.dtype == torch.bool:
+            mask = rows.to(self.device)
+        else:  # indices: scatter into a mask (boolean indexing would size its result from the values)
+            mask = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+            mask = mask.index_fill(0, rows.to(self.device).long(), True)
+        self.table_used.masked_fill_(mask.unsqueeze(1), False)
+        self.table_sum.masked_fill_(mask.view(-1, 1, 1), 0)
+        self.table_count.masked_fill_(mask.unsqueeze(1), 0)
+        self.num_keys.masked_fill_(mask, 0)
+        self.window.masked_fill_(mask.unsqueeze(1), -1)
+        self.length.masked_fill_(mask, 0)
 
-    def _find_slots(self, grams: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Linear probing for ``grams [B, n]``: each row's slot and whether it already holds the n-gram."""
-        hashed = (grams * self._multipliers).sum(dim=1)
-        hashed = hashed ^ (hashed >> 31)
-        slot = hashed & (self.capacity - 1)
-        found = torch.zeros_like(active)
-        pending = active.clone()
-        for _ in range(self.capacity):
-            used = self.table_used[self._rows, slot]
-            same = used & (self.table_keys[self._rows, slot] == grams).all(dim=1)
-            found |= pending & same
-            pending &= used & ~same
-            if not bool(pending.any()):
-                break
-            slot = torch.where(pending, (slot + 1) & (self.capacity - 1), slot)
-        return slot, found
+    def _find(self, grams: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entry of ``grams [B, n]`` in each row's table and whether it is there (only where ``active``)."""
+        entries = min(self._length_bound, self.capacity)  # no row has more keys than that
+        if entries == 0:
+            return torch.zeros_like(self._rows), torch.zeros_like(active)
+        same = self.table_used[:, :entries] & (self.table_keys[:, :entries] == grams.unsqueeze(1)).all(dim=2)
+        # Keys are unique within a row: at most one entry matches.
+        return same.to(torch.uint8).argmax(dim=1), active & same.any(dim=1)
 
     @torch.no_grad()
     def step(self, h_t: torch.Tensor, ids_t: torch.Tensor) -> torch.Tensor:
@@ -117,26 +129,34 @@ class NGramDecodeState:
         check_same_device(h_t=h_t, ids_t=ids_t)
         if h_t.device != self.device:
             raise ValueError(f"h_t is on {h_t.device} but the state lives on {self.device}")
-        if int(self.length.max()) >= self.max_len:
-            raise ValueError(f"more than max_len={self.max_len} positions; create the state with a larger max_len")
+        if self._length_bound >= self.max_len:  # some row may be full: check on the device
+            check_values(
+                self.length.max() >= self.max_len,
+                f"more than max_len={self.max_len} positions; create the state with a larger max_len",
+            )
 
         previous_gram = self.window
         gram = torch.cat([self.window[:, 1:], ids_t.long().unsqueeze(1)], dim=1)
 
         query_ok = (gram >= 0).all(dim=1)
-        slot, found = self._find_slots(gram, query_ok)
-        count = torch.where(found, self.table_count[self._rows, slot], 0)
-        total = self.table_sum[self._rows, slot]
+        entry, found = self._find(gram, query_ok)
+        count = torch.where(found, self.table_count[self._rows, entry], 0)
+        total = self.table_sum[self._rows, entry]
         out = torch.where((count > 0).unsqueeze(1), total / count.clamp(min=1).unsqueeze(1).to(total.dtype), 0.0)
 
+        # Insert the key j = i in every row at once; rows without a valid key rewrite their entry unchanged.
         key_ok = (previous_gram >= 0).all(dim=1)
-        slot, found = self._find_slots(previous_gram, key_ok)
-        rows, slot = self._rows[key_ok], slot[key_ok]
-        self.table_keys[rows, slot] = previous_gram[key_ok]
-        self.table_used[rows, slot] = True
-        self.table_sum[rows, slot] += h_t[key_ok].to(self.table_sum.dtype)
-        self.table_count[rows, slot] += 1
+        entry, found = self._find(previous_gram, key_ok)
+        # A new key takes the next free entry (clamped: an overflowing row is reported by the check above).
+        entry = torch.where(found, entry, self.num_keys.clamp(max=self.capacity - 1))
+        ok = key_ok.unsqueeze(1)
+        self.table_keys[self._rows, entry] = torch.where(ok, previous_gram, self.table_keys[self._rows, entry])
+        self.table_used[self._rows, entry] |= key_ok
+        self.table_sum[self._rows, entry] += torch.where(ok, h_t.to(self.table_sum.dtype), 0)
+        self.table_count[self._rows, entry] += key_ok.long()
+        self.num_keys += (key_ok & ~found).long()
 
         self.window = gram
         self.length += 1
+        self._length_bound += 1
         return out.to(self.dtype)

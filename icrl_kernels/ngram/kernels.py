@@ -1,22 +1,65 @@
 """Triton kernels of n-gram match attention: segmented running sums over a sorted plan.
 
-One program owns one batch row and one block of feature columns, and walks the row's sorted
-positions (:mod:`.plan`) in tiles of ``BLOCK_L``. Inside a tile, ``tl.associative_scan`` computes a
-running sum that restarts at every segment boundary; a per-column carry continues the open segment
-into the next tile. Rows are gathered from and scattered to their original positions, so the
-``[B, L, L]`` pattern and the sorted copy of ``h`` never exist in memory: the forward reads ``h``
-twice (value and self-exclusion rows) and writes the output once; the backward mirrors it from the
-end of each segment. Accumulation is fp32 whatever the input dtype (inputs are upcast on load).
+**Work split.** Each batch row's ``L`` sorted positions (:mod:`.plan`) are cut into chunks of
+``CHUNK_L`` positions; one program owns one (row, chunk, block of ``BLOCK_D`` feature columns) and walks
+its chunk in tiles of ``BLOCK_L``. Inside a tile, ``tl.associative_scan`` computes a running sum that
+restarts at every segment boundary; a per-column carry continues the open segment into the next tile.
+A segment may cross chunk boundaries, so each direction runs in two passes:
+
+1. a *carry* kernel gives every chunk but one its open-segment sum at its outgoing edge, which only
+   needs the rows from the chunk's last segment boundary to that edge (a short tail unless one n-gram
+   fills the chunk), and the position of that boundary (``-1``: none in the chunk);
+2. the main kernel first *looks back* over those finished partials (nearest chunk first, until one
+   holds a boundary: O(1) chunks unless a segment spans many) to get its incoming carry, then computes
+   its chunk.
+
+:func:`chunk_length` picks ``CHUNK_L`` from ``B``, ``L`` and ``D`` (host arithmetic on shapes) so that
+the grid has at least ``4 * 132`` programs (4 per H100 SM) wherever ``L`` allows.
+
+**Fewer gathers.** The forward at sorted position ``k`` needs the running sum of the values
+``v(m) = h[perm[m] + 1]`` of the earlier segment elements, minus ``v(k - 1)`` when that key is ``j = i``
+(:data:`.plan.PREVIOUS_ADJACENT`). Scanning ``y(k) = v(k - 1)`` (zero at a segment start) instead of
+``v(k)`` makes the running sum *already exclusive* and turns the self-exclusion into ``adj(k) * y(k)``,
+a value in registers: ``h`` is gathered once per position, not twice. The match count is
+``k - segment_start(k) - adj(k)`` (zero for invalid n-grams), a scan of the meta bits, so the forward
+does not read ``count`` at all. The backward mirrors it: it scans ``x(k) = w(k + 1)`` (the weight
+``grad_out[perm[k+1]] / count`` of the next segment element) from the end, so ``grad_out`` and ``count``
+are gathered once per position.
+
+**Prefetch.** The plan entries (``perm``, ``meta``) of tile ``i + 1`` are loaded at the top of tile
+``i``, before tile ``i``'s gathers of ``h`` / ``grad_out`` that depend on ``perm``: the loop-carried
+registers turn the per-tile chain "load perm -> gather rows -> scan -> store" into "gather rows -> scan
+-> store" with the next plan load in flight meanwhile (the forward's former third link, the ``count``
+gather, is gone; the backward's ``count`` and ``grad_out`` gathers are independent and issue together).
+
+**Bytes (prediction, H100, per forward + backward; ``s`` = itemsize, N = B L D).** Before: the forward
+read ``h`` once plus once more for every adjacent pair (``1 + a`` times; ``a`` = fraction of positions
+whose previous segment element is ``t - 1``, up to 1 for a repeated token), the backward ``grad_out``
+likewise; with the two writes, ``(4 + 2a) N s`` bytes, plus one ``count`` gather per position in the
+forward and two in the backward, on only ``B * D / BLOCK_D`` = 64 to 256 programs at B = 16, D = 512
+(0.5 to 2 per SM: latency-bound, one dependent chain of 3 to 4 loads per tile and program). After:
+``h`` and ``grad_out`` are read once each, ``out`` and ``grad_h`` written once (``4 N s``), plus the
+carry passes' tails (``2 f N s``; ``f`` = mean tail fraction of a chunk: small for short segments, at
+most 1 when one n-gram fills whole chunks), ``~13 B L`` bytes of plan per pass and ``8 B D chunks``
+bytes of partials (360 KB below). At B = 16, L = 4096, D = 512 bf16: ``4 N s`` = 268 MB, ~80 us at
+3.35 TB/s; 40% of copy bandwidth allows 200 us. Grid: 11 chunks of 384 positions, 704 (``BLOCK_D`` =
+128) to 2816 (``BLOCK_D`` = 32) programs; at B = 8, 32 chunks of 128, 1024 to 4096 programs.
+
+Accumulation is fp32 whatever the input dtype (inputs are upcast on load).
 """
 
 from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, launch
+from .._triton import autotune, launch, size_bucket
 
 _CONFIGS = [
     triton.Config({"BLOCK_L": 64, "BLOCK_D": 64}, num_warps=4),
@@ -25,11 +68,60 @@ _CONFIGS = [
     triton.Config({"BLOCK_L": 32, "BLOCK_D": 32}, num_warps=2),
     triton.Config({"BLOCK_L": 128, "BLOCK_D": 64}, num_warps=8),
 ]
+#: The widest column block and the longest tile of ``_CONFIGS`` (chunking must suit every config).
+_MAX_BLOCK_D, _MAX_BLOCK_L = 128, 128
+#: Tile of the carry kernels (not autotuned: they read a tail of each chunk, a small part of the work).
+_CARRY_BLOCK_L, _CARRY_BLOCK_D, _CARRY_WARPS = 64, 64, 4
+#: 4 programs per SM of an H100 (132 SMs).
+TARGET_PROGRAMS = 4 * 132
+
+
+def max_chunks(length: int) -> int:
+    """At most ``sqrt(L / 2)`` chunks a row. The look-back of chunk ``c`` reads up to ``c`` partials (when
+    one n-gram spans the whole row), ``sum_c 4 c <= 4 chunks^2 / 2 <= L`` bytes per row and column in
+    all: at most 25% of the main kernel's ``2 L s >= 4 L`` bytes (bf16), whatever the data."""
+    return max(1, math.isqrt(length // 2))
+
+
+_forced_chunk_length: int | None = None
+
+
+@contextlib.contextmanager
+def forced_chunk_length(chunk: int) -> Iterator[None]:
+    """Within the block, the sort-path kernels cut rows into chunks of ``chunk`` positions (tests use small
+    chunks so that segments cross chunk boundaries under the interpreter)."""
+    global _forced_chunk_length
+    previous, _forced_chunk_length = _forced_chunk_length, int(chunk)
+    try:
+        yield
+    finally:
+        _forced_chunk_length = previous
+
+
+def chunk_length(batch: int, length: int, dim: int) -> int:
+    """Sorted positions per program: the longest multiple of ``_MAX_BLOCK_L`` that still gives
+    ``TARGET_PROGRAMS`` programs with the widest column block, within :func:`max_chunks` chunks a row.
+
+    ``chunk_length(16, 4096, 512) == 384`` (11 chunks, 704 programs at ``BLOCK_D = 128``);
+    ``chunk_length(8, 4096, 512) == 128`` (32 chunks, 1024 programs).
+    """
+    if _forced_chunk_length is not None:
+        return _forced_chunk_length
+    programs_per_chunk = batch * triton.cdiv(dim, _MAX_BLOCK_D)
+    chunks_wanted = triton.cdiv(TARGET_PROGRAMS, programs_per_chunk)
+    chunk = (length // chunks_wanted) // _MAX_BLOCK_L * _MAX_BLOCK_L
+    fewest = triton.cdiv(triton.cdiv(length, max_chunks(length)), _MAX_BLOCK_L) * _MAX_BLOCK_L
+    return max(_MAX_BLOCK_L, chunk, fewest)
 
 
 @triton.jit
 def _segmented_add(start_a, sum_a, start_b, sum_b):
     return start_a | start_b, tl.where(start_b != 0, sum_b, sum_a + sum_b)
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -48,131 +140,310 @@ def _segment_running_sum(values, starts, carry, BLOCK_L: tl.constexpr):
     return running, next_carry
 
 
-@autotune(_CONFIGS, key=["D"])
+# --- forward --------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _ngram_forward_kernel(
-    h_ptr, perm_ptr, meta_ptr, count_ptr, out_ptr,
-    L, D,
-    stride_hb, stride_hl, stride_ob, stride_ol,
+def _ngram_forward_carry_kernel(
+    h_ptr, perm_ptr, meta_ptr, partial_ptr, boundary_ptr,
+    L, D, CHUNK_L, NUM_CHUNKS,
+    stride_hb, stride_hl,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    """Pass 1 of the forward, for chunks ``0 .. NUM_CHUNKS - 2``: the sum of ``y(k) = v(k - 1)`` from the
+    chunk's last segment start to its end (``partial [B, NUM_CHUNKS, D]``, fp32) and that start's
+    position (``boundary [B, NUM_CHUNKS]``, ``-1`` if the chunk has none). Walks the chunk backwards
+    and stops at the first tile holding a segment start."""
+    pid = tl.program_id(0)
+    row = (pid // (NUM_CHUNKS - 1)).to(tl.int64)
+    chunk = pid % (NUM_CHUNKS - 1)
+    lo = chunk * CHUNK_L
+    hi = tl.minimum(lo + CHUNK_L, L)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    h_row = h_ptr + row * stride_hb
+    plan_row = row * L
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    last_start = tl.full([], -1, dtype=tl.int32)
+    tile_hi = hi
+    searching = tile_hi > lo
+    while searching:
+        k = tile_hi - BLOCK_L + tl.arange(0, BLOCK_L)
+        k_ok = (k >= lo) & (k < tile_hi)
+        # perm[k - 1] does not depend on meta: both loads issue together.
+        source = tl.load(perm_ptr + plan_row + k - 1, mask=k_ok & (k > 0), other=0)
+        meta = tl.load(meta_ptr + plan_row + k, mask=k_ok, other=0).to(tl.int32)
+        is_start = k_ok & ((meta & 1) != 0)
+        tile_last = tl.max(tl.where(is_start, k, -1), axis=0)
+        take = k_ok & (k > tile_last) & (source + 1 < L)  # y(k) of a segment start is 0: k > tile_last
+        values = tl.load(
+            h_row + (source + 1)[:, None] * stride_hl + cols[None, :],
+            mask=take[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(values, axis=0)
+        last_start = tile_last
+        tile_hi -= BLOCK_L
+        searching = (tile_last < 0) & (tile_hi > lo)
+    slot = row * NUM_CHUNKS + chunk
+    tl.store(partial_ptr + slot * D + cols, acc, mask=col_ok)
+    tl.store(boundary_ptr + slot, last_start, mask=tl.program_id(1) == 0)
+
+
+@autotune(_CONFIGS, key=["D", "SIZE_BUCKET"])
+@triton.jit
+def _ngram_forward_kernel(
+    h_ptr, perm_ptr, meta_ptr, partial_ptr, boundary_ptr, out_ptr,
+    L, D, CHUNK_L, NUM_CHUNKS,
+    stride_hb, stride_hl, stride_ob, stride_ol,
+    SIZE_BUCKET,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row = (pid // NUM_CHUNKS).to(tl.int64)
+    chunk = pid % NUM_CHUNKS
+    lo = chunk * CHUNK_L
+    hi = tl.minimum(lo + CHUNK_L, L)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     h_row = h_ptr + row * stride_hb
     out_row = out_ptr + row * stride_ob
     plan_row = row * L
-    carry = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for tile in range(0, L, BLOCK_L):
-        k = tile + tl.arange(0, BLOCK_L)
-        k_ok = k < L
-        t = tl.load(perm_ptr + plan_row + k, mask=k_ok, other=0)
-        meta = tl.load(meta_ptr + plan_row + k, mask=k_ok, other=0).to(tl.int32)
-        starts = meta & 1
-        previous_adjacent = ((meta >> 1) & 1) != 0
-        count = tl.load(count_ptr + plan_row + t, mask=k_ok, other=0)
 
-        # The key at sorted position k carries h[t + 1] (the token after its n-gram).
-        has_value = k_ok & (t + 1 < L)
+    # Look back over the earlier chunks' partials (finished by the carry kernel) until one holds a
+    # segment start: its open segment reaches this chunk. Chunk 0 starts a segment at k = 0.
+    carry = tl.zeros([BLOCK_D], dtype=tl.float32)
+    segment_start = tl.zeros([], dtype=tl.int32)
+    previous = chunk - 1
+    searching = previous >= 0
+    while searching:
+        slot = row * NUM_CHUNKS + previous
+        carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
+        boundary = tl.load(boundary_ptr + slot)
+        segment_start = tl.maximum(boundary, 0)
+        previous -= 1
+        searching = (boundary < 0) & (previous >= 0)
+
+    # Prefetch: plan entries of the first tile (later tiles' are loaded one tile ahead, below).
+    k = lo + tl.arange(0, BLOCK_L)
+    k_ok = k < hi
+    next_target = tl.load(perm_ptr + plan_row + k, mask=k_ok, other=0)
+    next_source = tl.load(perm_ptr + plan_row + k - 1, mask=k_ok & (k > 0), other=0)
+    next_meta = tl.load(meta_ptr + plan_row + k, mask=k_ok, other=0)
+    for tile in range(lo, hi, BLOCK_L):
+        k = tile + tl.arange(0, BLOCK_L)
+        k_ok = k < hi
+        target, source, meta = next_target, next_source, next_meta.to(tl.int32)
+        k_next = k + BLOCK_L
+        next_ok = k_next < hi
+        next_target = tl.load(perm_ptr + plan_row + k_next, mask=next_ok, other=0)
+        next_source = tl.load(perm_ptr + plan_row + k_next - 1, mask=next_ok, other=0)
+        next_meta = tl.load(meta_ptr + plan_row + k_next, mask=next_ok, other=0)
+
+        starts = meta & 1
+        adjacent = ((meta >> 1) & 1).to(tl.float32)
+        valid = ((meta >> 2) & 1) != 0
+        # y(k) = v(k - 1) = h[perm[k - 1] + 1] inside a segment (0 at its start).
+        has_value = k_ok & (starts == 0) & (k > 0) & (source + 1 < L)
         values = tl.load(
-            h_row + (t + 1)[:, None] * stride_hl + cols[None, :],
+            h_row + (source + 1)[:, None] * stride_hl + cols[None, :],
             mask=has_value[:, None] & col_ok[None, :],
             other=0.0,
         ).to(tl.float32)
         running, carry = _segment_running_sum(values, starts, carry, BLOCK_L)
+        # The key just before k in the segment is j = i when adjacent: exclude it (strict pattern).
+        total = running - adjacent[:, None] * values
 
-        # Exclude the key j = i (the previous segment element at t - 1 carries h[t]).
-        excluded = k_ok & previous_adjacent & (count > 0)
-        own = tl.load(
-            h_row + t[:, None] * stride_hl + cols[None, :],
-            mask=excluded[:, None] & col_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        total = running - values - own
+        start_here = tl.where(k_ok & (starts != 0), k, -1)
+        own_start = tl.maximum(tl.associative_scan(start_here, 0, _max_combine), segment_start)
+        segment_start = tl.maximum(segment_start, tl.max(start_here, axis=0))
+        count = tl.where(valid & k_ok, k - own_start - adjacent.to(tl.int32), 0)
         mean = tl.where((count > 0)[:, None], total / tl.maximum(count, 1).to(tl.float32)[:, None], 0.0)
         tl.store(
-            out_row + t[:, None] * stride_ol + cols[None, :],
+            out_row + target[:, None] * stride_ol + cols[None, :],
             mean.to(out_ptr.dtype.element_ty),
             mask=k_ok[:, None] & col_ok[None, :],
         )
 
 
-@autotune(_CONFIGS, key=["D"])
+# --- backward -------------------------------------------------------------------------------------
+
+
 @triton.jit
-def _ngram_backward_kernel(
-    grad_out_ptr, perm_ptr, meta_ptr, count_ptr, grad_h_ptr,
-    L, D,
-    stride_gb, stride_gl, stride_hb, stride_hl,
+def _ngram_backward_carry_kernel(
+    grad_out_ptr, perm_ptr, meta_ptr, count_ptr, partial_ptr, boundary_ptr,
+    L, D, CHUNK_L, NUM_CHUNKS,
+    stride_gb, stride_gl,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
+    """Pass 1 of the backward, for chunks ``1 .. NUM_CHUNKS - 1``: the sum of ``x(k) = w(k + 1)`` from the
+    chunk's first position to its first segment end (``partial``), and that end's position
+    (``boundary``, ``-1`` if the chunk has none). Walks the chunk forwards and stops at the first tile
+    holding a segment end."""
+    pid = tl.program_id(0)
+    row = (pid // (NUM_CHUNKS - 1)).to(tl.int64)
+    chunk = pid % (NUM_CHUNKS - 1) + 1
+    lo = chunk * CHUNK_L
+    hi = tl.minimum(lo + CHUNK_L, L)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    grad_out_row = grad_out_ptr + row * stride_gb
+    plan_row = row * L
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first_end = tl.full([], -1, dtype=tl.int32)
+    tile_lo = lo
+    searching = tile_lo < hi
+    while searching:
+        k = tile_lo + tl.arange(0, BLOCK_L)
+        k_ok = k < hi
+        has_next = k_ok & (k + 1 < L)
+        query = tl.load(perm_ptr + plan_row + k + 1, mask=has_next, other=0)
+        # k ends its segment where k + 1 starts one (or k is the last position).
+        meta_next = tl.load(meta_ptr + plan_row + k + 1, mask=has_next, other=1).to(tl.int32)
+        is_end = k_ok & ((meta_next & 1) != 0)
+        tile_first = tl.min(tl.where(is_end, k, L), axis=0)
+        take = k_ok & (k < tile_first)  # x(k) of a segment end is 0: k < tile_first
+        count = tl.load(count_ptr + plan_row + query, mask=take, other=0)
+        weights = (
+            tl.load(
+                grad_out_row + query[:, None] * stride_gl + cols[None, :],
+                mask=(take & (count > 0))[:, None] & col_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            / tl.maximum(count, 1).to(tl.float32)[:, None]
+        )
+        acc += tl.sum(weights, axis=0)
+        first_end = tl.where(tile_first < L, tile_first, -1)
+        tile_lo += BLOCK_L
+        searching = (tile_first >= L) & (tile_lo < hi)
+    slot = row * NUM_CHUNKS + chunk
+    tl.store(partial_ptr + slot * D + cols, acc, mask=col_ok)
+    tl.store(boundary_ptr + slot, first_end, mask=tl.program_id(1) == 0)
+
+
+@autotune(_CONFIGS, key=["D", "SIZE_BUCKET"])
+@triton.jit
+def _ngram_backward_kernel(
+    grad_out_ptr, perm_ptr, meta_ptr, count_ptr, partial_ptr, boundary_ptr, grad_h_ptr,
+    L, D, CHUNK_L, NUM_CHUNKS,
+    stride_gb, stride_gl, stride_hb, stride_hl,
+    SIZE_BUCKET,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    row = (pid // NUM_CHUNKS).to(tl.int64)
+    chunk = pid % NUM_CHUNKS
+    lo = chunk * CHUNK_L
+    hi = tl.minimum(lo + CHUNK_L, L)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     grad_out_row = grad_out_ptr + row * stride_gb
     grad_h_row = grad_h_ptr + row * stride_hb
     plan_row = row * L
     # Keys start at j = 1 (their n-gram ends at j - 1 >= 0): position 0 never gets a gradient.
-    tl.store(grad_h_row + cols, tl.zeros([BLOCK_D], dtype=grad_h_ptr.dtype.element_ty), mask=col_ok)
-    carry = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for tile in range(0, L, BLOCK_L):
-        k = L - 1 - (tile + tl.arange(0, BLOCK_L))  # walk sorted positions from the end
-        k_ok = k >= 0
-        t = tl.load(perm_ptr + plan_row + k, mask=k_ok, other=0)
-        meta = tl.load(meta_ptr + plan_row + k, mask=k_ok, other=0).to(tl.int32)
-        has_next = k_ok & (k + 1 < L)
-        # Scanning backwards, a segment starts where the next sorted position starts one.
-        meta_next = tl.load(meta_ptr + plan_row + k + 1, mask=has_next, other=1).to(tl.int32)
-        starts = meta_next & 1
-        next_adjacent = has_next & (((meta_next >> 1) & 1) != 0)
+    # (The chunk index is broadcast over the columns: a scalar mask term fails when NUM_CHUNKS == 1 is
+    # specialised to a constant.)
+    first_chunk = cols * 0 + chunk == 0
+    tl.store(grad_h_row + cols, tl.zeros([BLOCK_D], dtype=grad_h_ptr.dtype.element_ty), mask=col_ok & first_chunk)
 
-        count = tl.load(count_ptr + plan_row + t, mask=k_ok, other=0)
-        is_query = k_ok & (count > 0)
+    # Look back (towards the end) over the later chunks' partials until one holds a segment end.
+    carry = tl.zeros([BLOCK_D], dtype=tl.float32)
+    later = chunk + 1
+    searching = later < NUM_CHUNKS
+    while searching:
+        slot = row * NUM_CHUNKS + later
+        carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
+        boundary = tl.load(boundary_ptr + slot)
+        later += 1
+        searching = (boundary < 0) & (later < NUM_CHUNKS)
+
+    # Walk the chunk from its end; prefetch the first tile's plan entries.
+    k = hi - 1 - tl.arange(0, BLOCK_L)
+    k_ok = k >= lo
+    has_next = k_ok & (k + 1 < L)
+    next_key = tl.load(perm_ptr + plan_row + k, mask=k_ok, other=0)
+    next_meta = tl.load(meta_ptr + plan_row + k, mask=k_ok, other=0)
+    next_query = tl.load(perm_ptr + plan_row + k + 1, mask=has_next, other=0)
+    next_meta_next = tl.load(meta_ptr + plan_row + k + 1, mask=has_next, other=1)
+    for tile in range(0, hi - lo, BLOCK_L):
+        k = hi - 1 - (tile + tl.arange(0, BLOCK_L))
+        k_ok = k >= lo
+        key, meta, query, meta_next = next_key, next_meta.to(tl.int32), next_query, next_meta_next.to(tl.int32)
+        k_following = k - BLOCK_L
+        following_ok = k_following >= lo
+        next_key = tl.load(perm_ptr + plan_row + k_following, mask=following_ok, other=0)
+        next_meta = tl.load(meta_ptr + plan_row + k_following, mask=following_ok, other=0)
+        next_query = tl.load(perm_ptr + plan_row + k_following + 1, mask=following_ok, other=0)
+        next_meta_next = tl.load(meta_ptr + plan_row + k_following + 1, mask=following_ok, other=1)
+
+        # Scanning from the end, a segment starts at its last element k (k + 1 starts a new one).
+        ends = meta_next & 1
+        in_segment = k_ok & (ends == 0)  # then k + 1 < L and the query at k + 1 shares k's n-gram
+        count = tl.load(count_ptr + plan_row + query, mask=in_segment, other=0)
         weights = (
             tl.load(
-                grad_out_row + t[:, None] * stride_gl + cols[None, :],
-                mask=is_query[:, None] & col_ok[None, :],
+                grad_out_row + query[:, None] * stride_gl + cols[None, :],
+                mask=(in_segment & (count > 0))[:, None] & col_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
             / tl.maximum(count, 1).to(tl.float32)[:, None]
         )
-        running, carry = _segment_running_sum(weights, starts, carry, BLOCK_L)
+        running, carry = _segment_running_sum(weights, ends, carry, BLOCK_L)
+        # The query just after k in the segment is i = j when adjacent: exclude it (strict pattern).
+        next_adjacent = ((meta_next >> 1) & 1).to(tl.float32)
+        total = running - next_adjacent[:, None] * weights
 
-        # Exclude the query i = j (the next segment element, at t + 1).
-        count_next = tl.load(count_ptr + plan_row + t + 1, mask=next_adjacent, other=0)
-        excluded = next_adjacent & (count_next > 0)
-        next_weights = (
-            tl.load(
-                grad_out_row + (t + 1)[:, None] * stride_gl + cols[None, :],
-                mask=excluded[:, None] & col_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            / tl.maximum(count_next, 1).to(tl.float32)[:, None]
-        )
-        total = running - weights - next_weights
-
-        has_key_row = k_ok & (t + 1 < L)
+        has_key_row = k_ok & (key + 1 < L)
         is_key = has_key_row & (((meta >> 2) & 1) != 0)
         grad = tl.where(is_key[:, None], total, 0.0)
         tl.store(
-            grad_h_row + (t + 1)[:, None] * stride_hl + cols[None, :],
+            grad_h_row + (key + 1)[:, None] * stride_hl + cols[None, :],
             grad.to(grad_h_ptr.dtype.element_ty),
             mask=has_key_row[:, None] & col_ok[None, :],
         )
 
 
-def ngram_forward_triton(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Triton forward: ``h [B, L, D]`` and a plan to the output ``[B, L, D]`` (``h.dtype``)."""
+# --- launchers ------------------------------------------------------------------------------------
+
+
+def _carry_buffers(batch: int, chunks: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch of the carry pass: ``partial [B, chunks, D]`` fp32 and ``boundary [B, chunks]`` int32
+    (a 1-element stand-in when there is a single chunk: the main kernel then never reads them)."""
+    if chunks == 1:
+        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
+    partial = torch.empty((batch, chunks, dim), dtype=torch.float32, device=device)
+    boundary = torch.empty((batch, chunks), dtype=torch.int32, device=device)
+    return partial, boundary
+
+
+def ngram_forward_triton(
+    h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton forward: ``h [B, L, D]`` and a plan (``perm``, ``meta`` ``[B, L]``) to the output ``[B, L, D]``
+    (``h.dtype``). ``count`` is not read: the kernel derives match counts from ``meta``."""
     h = h.contiguous()
+    perm, meta = perm.contiguous(), meta.contiguous()
     batch, length, dim = h.shape
     out = empty_output(h.shape, dtype=h.dtype, device=h.device)
+    chunk = chunk_length(batch, length, dim)
+    chunks = triton.cdiv(length, chunk)
+    partial, boundary = _carry_buffers(batch, chunks, dim, h.device)
+    if chunks > 1:
+        launch(_ngram_forward_carry_kernel, (batch * (chunks - 1), triton.cdiv(dim, _CARRY_BLOCK_D)))(
+            h, perm, meta, partial, boundary,
+            length, dim, chunk, chunks,
+            h.stride(0), h.stride(1),
+            BLOCK_L=_CARRY_BLOCK_L, BLOCK_D=_CARRY_BLOCK_D, num_warps=_CARRY_WARPS,
+        )  # fmt: skip
 
     def grid(meta_params):
-        return (batch, triton.cdiv(dim, meta_params["BLOCK_D"]))
+        return (batch * chunks, triton.cdiv(dim, meta_params["BLOCK_D"]))
 
     launch(_ngram_forward_kernel, grid)(
-        h, perm.contiguous(), meta.contiguous(), count.contiguous(), out,
-        length, dim,
+        h, perm, meta, partial, boundary, out,
+        length, dim, chunk, chunks,
         h.stride(0), h.stride(1), out.stride(0), out.stride(1),
+        size_bucket(batch * length),
     )  # fmt: skip
     return out
 
@@ -180,17 +451,29 @@ def ngram_forward_triton(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor
 def ngram_backward_triton(
     grad_out: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor
 ) -> torch.Tensor:
-    """Triton backward: ``grad_out [B, L, D]`` and a plan to the gradient w.r.t. ``h``."""
+    """Triton backward: ``grad_out [B, L, D]`` and a plan to the gradient w.r.t. ``h`` (``[B, L, D]``)."""
     grad_out = grad_out.contiguous()
+    perm, meta, count = perm.contiguous(), meta.contiguous(), count.contiguous()
     batch, length, dim = grad_out.shape
     grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
+    chunk = chunk_length(batch, length, dim)
+    chunks = triton.cdiv(length, chunk)
+    partial, boundary = _carry_buffers(batch, chunks, dim, grad_out.device)
+    if chunks > 1:
+        launch(_ngram_backward_carry_kernel, (batch * (chunks - 1), triton.cdiv(dim, _CARRY_BLOCK_D)))(
+            grad_out, perm, meta, count, partial, boundary,
+            length, dim, chunk, chunks,
+            grad_out.stride(0), grad_out.stride(1),
+            BLOCK_L=_CARRY_BLOCK_L, BLOCK_D=_CARRY_BLOCK_D, num_warps=_CARRY_WARPS,
+        )  # fmt: skip
 
     def grid(meta_params):
-        return (batch, triton.cdiv(dim, meta_params["BLOCK_D"]))
+        return (batch * chunks, triton.cdiv(dim, meta_params["BLOCK_D"]))
 
     launch(_ngram_backward_kernel, grid)(
-        grad_out, perm.contiguous(), meta.contiguous(), count.contiguous(), grad_h,
-        length, dim,
+        grad_out, perm, meta, count, partial, boundary, grad_h,
+        length, dim, chunk, chunks,
         grad_out.stride(0), grad_out.stride(1), grad_h.stride(0), grad_h.stride(1),
+        size_bucket(batch * length),
     )  # fmt: skip
     return grad_h

@@ -10,6 +10,8 @@ strict). So a segmented running sum over ``h[t + 1]`` in sorted order gives ever
 backward is the same running sum taken from the other end of each segment.
 
 The plan stores, for each batch row, the permutation and one byte of flags per sorted position.
+Building it reads no tensor value on the host (:func:`ngram_keys` chooses its encoding from shapes and
+dtypes only), so on a GPU it is a queue of kernels with no synchronisation.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ SEGMENT_START = 1  # k starts a new n-gram segment
 PREVIOUS_ADJACENT = 2  # the previous element of the segment is position perm[k] - 1
 VALID_NGRAM = 4  # the n-gram ending at perm[k] is in range and has no padding
 
-_PACKING_LIMIT = 2**62
+#: Packed keys stay below this bound (int64 holds every value up to ``2**63 - 1``).
+_KEY_LIMIT = 2**63
 
 
 class NGramPlan(NamedTuple):
@@ -60,40 +63,60 @@ def ngram_valid(ids: torch.Tensor, n: int) -> torch.Tensor:
     return (padding_in_window == 0) & in_range
 
 
-def _dense_rank(values: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Replace values by their rank among the distinct values; return ranks and the number of ranks."""
-    distinct, ranks = torch.unique(values, return_inverse=True)
-    return ranks.view_as(values), int(distinct.numel())
+def _dense_rank_rows(values: torch.Tensor) -> torch.Tensor:
+    """Rank of each value among the distinct values of its row (order-preserving), in ``[0, L)``.
+
+    One row-wise sort, a cumulative sum of "differs from the previous sorted value" and a scatter back:
+    no output whose size depends on the data (``torch.unique`` would read the number of distinct values
+    on the host), so nothing waits for the device.
+    """
+    sorted_values, order = torch.sort(values, dim=1)
+    new_value = torch.zeros_like(sorted_values)
+    new_value[:, 1:] = sorted_values[:, 1:] != sorted_values[:, :-1]
+    return torch.empty_like(new_value).scatter_(1, order, new_value.cumsum(dim=1))
+
+
+#: Largest id + 1 of the integer dtypes narrower than int64 (ids are clamped at 0 first).
+_DTYPE_VOCAB = {torch.uint8: 2**8, torch.int8: 2**7, torch.int16: 2**15, torch.int32: 2**31}
 
 
 def ngram_keys(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact integer identity of the n-gram ending at each position.
+    """Exact integer identity of the n-gram ending at each position, computed without reading a value on
+    the host (the choice of encoding depends only on ``n``, ``L`` and the dtype of ``ids``).
 
-    Packs ``sum_k ids[t-k] * V^(k)`` exactly when ``V^n < 2^62`` (``V`` = max id + 1); otherwise
-    ranks (n-gram, next id) pairs one token at a time, which is exact for any vocabulary.
+    Keys order the n-grams lexicographically (oldest id most significant), which makes the plan's
+    permutation independent of the encoding:
+
+    - ``n == 1``: the id itself;
+    - ids narrower than int64 with ``V^n <= 2^63`` (``V`` = the dtype's largest id + 1): the ids packed
+      in base ``V``, ``sum_k ids[t-k] * V^k``;
+    - otherwise: ids are replaced by their rank within the row (``< L``, one row-wise sort) and packed
+      in base ``L``; when ``L^m`` would pass ``2^63``, the ``m``-gram keys are re-ranked (one more sort)
+      and packing goes on from the ranks. Exact for any vocabulary.
 
     Returns:
         ``(keys [B, L] int64, valid [B, L] bool)``; invalid positions have key ``-1``.
     """
     valid = ngram_valid(ids, n)
-    tokens = ids.clamp(min=0)
-    vocab = int(tokens.max().item()) + 1 if tokens.numel() else 1
-    if vocab**n < _PACKING_LIMIT:
-        keys = torch.zeros_like(tokens)
-        for k in range(n - 1, -1, -1):
-            keys = keys * vocab + _shift_right(tokens, k)
+    tokens = ids.clamp(min=0).long()
+    if n == 1:
+        keys = tokens
     else:
-        token_rank, num_tokens = _dense_rank(tokens)
-        keys = token_rank
+        base = _DTYPE_VOCAB.get(ids.dtype)
+        if base is None or base**n > _KEY_LIMIT:
+            base = max(1, ids.shape[1])
+            tokens = _dense_rank_rows(tokens)
+        keys, bound = tokens, base  # keys < bound
         for _ in range(n - 1):
-            # (n-gram ending at t-1, token t) -> n-gram ending at t; ranks keep the product < 2^63.
-            keys, _ = _dense_rank(_shift_right(keys, 1) * num_tokens + token_rank)
+            if bound * base > _KEY_LIMIT:
+                keys, bound = _dense_rank_rows(keys), ids.shape[1]
+            # (n-gram ending at t-1, token t) -> the longer n-gram ending at t.
+            keys, bound = _shift_right(keys, 1) * base + tokens, bound * base
     return torch.where(valid, keys, torch.full_like(keys, -1)), valid
 
 
 def build_ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     """Sort positions by n-gram and derive segment flags and match counts (see the module docstring)."""
-    ids = ids.long()
     batch, length = ids.shape
     keys, valid = ngram_keys(ids, n)
     sorted_keys, perm = torch.sort(keys, dim=1, stable=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import INT_DTYPES, check_choice, check_int, check_same_device, check_tensor
+from .._validation import INT_DTYPES, check_choice, check_int, check_same_device, check_tensor, check_values
 
 TOKEN_MODES = ("state", "transition")
 
@@ -37,7 +37,9 @@ def transition_ids(
         int64 ids of ``states.shape``; ``-1`` wherever any input is negative (padding).
 
     Raises:
-        ValueError: a value outside its range, shape or device mismatch, missing inputs.
+        ValueError: shape or device mismatch, missing inputs; a value at or above its ``num_*`` (checked
+            through ``icrl_kernels._validation.check_values``: a ValueError on CPU, an asynchronous
+            device assert on CUDA unless ``set_value_checks("sync")``).
     """
     check_choice(mode, "mode", TOKEN_MODES)
     num_states = check_int(num_states, "num_states", min_value=1)
@@ -59,9 +61,12 @@ def transition_ids(
     padding = torch.zeros(states.shape, dtype=torch.bool, device=states.device)
     ids = torch.zeros(states.shape, dtype=torch.int64, device=states.device)
     for name, value, size in parts:
-        too_large = value >= size
-        if bool(too_large.any()):
-            raise ValueError(f"{name} must be < {size} (its num_{name}), got max {int(value.max())}")
+        # A device-side check (no host sync on GPU; a ValueError on CPU): see check_values.
+        check_values(
+            (value >= size).any(),
+            f"{name} must be < {size} (its num_{name})",
+            lambda value=value: f", got max {int(value.max())}",
+        )
         padding |= value < 0
         ids = ids * size + value.clamp(min=0)
     return torch.where(padding, torch.full_like(ids, -1), ids)
