@@ -74,7 +74,7 @@ def _contrastive_inputs(device: str, dtype: torch.dtype):
     actions; logits of standard deviation about 2 (peaked, not one-hot)."""
     tiny = device == "cpu"
     # Tiny: A = 150 is 10 FMA action tiles or 2 tensor-core ones, D = 40 two BLOCK_D chunks of 32.
-    # CUDA: N = 800 rows, D = 512 (two grad_pred column blocks of 256), A = 1000 (8 tiles of 128, ragged).
+    # CUDA: N = 800 rows, D = 512 (one grad_pred block of all 512 columns), A = 1000 (ragged action tiles).
     batch, steps, dim, actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
     gen = _generator(dim + actions)
     pred = torch.randn(batch, steps, dim, generator=gen)

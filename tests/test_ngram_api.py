@@ -258,13 +258,19 @@ def test_cpu_auto_is_dense_up_to_the_crossover_then_sort(no_triton, ran_paths, m
         assert ran_paths == [path], (length, ran_paths)
 
 
-def test_cpu_auto_at_the_real_constant(no_triton, ran_paths):
-    """The shipped ``CPU_DENSE_MAX_LENGTH``: dense at it, sort one past it (cheap at B = 1, D = 4)."""
-    for length, path in ((CPU_DENSE_MAX_LENGTH, "reference"), (CPU_DENSE_MAX_LENGTH + 1, "sort-eager")):
-        h, ids = _inputs(batch=1, length=length, dim=4, vocab=5, seed=1)
+def test_cpu_auto_at_the_real_constants(no_triton, ran_paths):
+    """The shipped constants: dense at ``CPU_DENSE_MAX_LENGTH``, sort one past it (B = 1, D = 4); with
+    ``D = CPU_WIDE_DIM`` the same lengths stay dense up to ``CPU_DENSE_MAX_LENGTH_WIDE``."""
+    wide = function.CPU_DENSE_MAX_LENGTH_WIDE
+    cases = [(CPU_DENSE_MAX_LENGTH, 4, "reference"), (CPU_DENSE_MAX_LENGTH + 1, 4, "sort-eager"),
+             (wide, function.CPU_WIDE_DIM, "reference"), (wide + 1, function.CPU_WIDE_DIM, "sort-eager"),
+             (wide, function.CPU_WIDE_DIM - 1, "sort-eager")]  # fmt: skip
+    assert CPU_DENSE_MAX_LENGTH < wide
+    for length, dim, path in cases:
+        h, ids = _inputs(batch=1, length=length, dim=dim, vocab=5, seed=1)
         ran_paths.clear()
         _check_against_reference(h, ids, 1)  # backend="auto" is the default
-        assert ran_paths == [path]
+        assert ran_paths == [path], (length, dim)
 
 
 def test_cpu_auto_forced_paths_and_plan(no_triton, ran_paths, monkeypatch):

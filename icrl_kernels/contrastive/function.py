@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
+from .._library import differentiable_op, inference_op
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -202,8 +202,7 @@ infonce_op, infonce_backward_op = differentiable_op(
 )
 
 
-@torch.library.custom_op("icrl::select_actions", mutates_args=())
-def select_actions_op(
+def _select_actions(
     pred: torch.Tensor,
     embeds: torch.Tensor,
     mask: Optional[torch.Tensor],  # noqa: UP045
@@ -230,9 +229,11 @@ def select_actions_op(
     return actions
 
 
-@select_actions_op.register_fake
 def _select_actions_fake(pred, embeds, mask, tau, sample, seed, impl):
     return pred.new_empty(pred.shape[:2], dtype=torch.int64)
+
+
+select_actions_op = inference_op("select_actions", _select_actions, fake=_select_actions_fake)
 
 
 def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,8 @@ class NGramAttention(nn.Module):
         bias: whether the two linear maps have a bias.
         backend: ``"auto"``, ``"triton"``, ``"eager"`` or ``"reference"`` (see ``ngram_attention``).
             ``"auto"`` is Triton where it runs; on the CPU it is the dense reference up to
-            ``CPU_DENSE_MAX_LENGTH`` positions (faster there) and the eager sort path beyond, unless
+            ``CPU_DENSE_MAX_LENGTH`` positions (``CPU_DENSE_MAX_LENGTH_WIDE`` from ``D = CPU_WIDE_DIM``; faster
+            there) and the eager sort path beyond, unless
             :meth:`forward` gets a ``plan``, which always means the sort path.
 
     Shapes:

@@ -128,13 +128,17 @@ ALGORITHMS = ("auto", "sort", "tiled")
 TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 512, torch.float16: 1024, torch.bfloat16: 1024}
 
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
-#: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it. From
-#: ``benchmarks/ngram_cpu_crossover.py`` (forward + backward of both paths over ``L``, at N-Gram AD's
-#: and DESIGN.md's shapes). PLACEHOLDER until that script runs on a quiet machine: the earlier
-#: measurement (``benchmarks/results/README.md``, B = 8, D = 256, n = 2) had the dense path faster up
-#: to L = 256 and about even at 512, and N-Gram AD's train step at L = 200 took 200 ms dense against
-#: 235 ms on the eager sort path.
-CPU_DENSE_MAX_LENGTH = 512
+#: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it; up to
+#: ``CPU_DENSE_MAX_LENGTH_WIDE`` for features at least ``CPU_WIDE_DIM`` wide, where the sort path's
+#: per-column prefix sums cost more. Measured with ``benchmarks/ngram_cpu_crossover.py`` (forward +
+#: backward, fp32, 1 and 2 threads, 2-core VM; ``benchmarks/results/cpu-ngram-crossover.json``):
+#: N-Gram AD's B = 32, D = 64 has dense faster at L = 128 (n = 1: eager 1.4-3.5x slower) and eager faster
+#: from 256 (0.71-0.91x); B = 8, D = 512 has dense even or faster at 256 (eager 1.00-1.19x) and eager
+#: faster from 512 (0.65-0.70x). The one miss of this rule on the measured grid: D = 64, n = 2, L = 128,
+#: 1 thread, where eager was 5% faster (0.95x).
+CPU_DENSE_MAX_LENGTH = 128
+CPU_DENSE_MAX_LENGTH_WIDE = 256
+CPU_WIDE_DIM = 256
 
 #: ... as long as the dense pattern stays small: ``B * L * L`` at most this many elements (128 MiB as
 #: fp32; the reference also keeps a bool copy and the autograd graph keeps the fp32 one). Both paths
@@ -146,11 +150,12 @@ def _cpu_auto_uses_dense(h: torch.Tensor, plan: NGramPlan | None) -> bool:
     """Whether ``backend="auto"``, resolved to eager, should take the dense reference instead (see
     ``CPU_DENSE_MAX_LENGTH``). A given ``plan`` keeps the sort path: the caller has already paid for the
     sort (to share it across layers), and the dense path would ignore it."""
-    batch, length, _ = h.shape
+    batch, length, dim = h.shape
+    max_length = CPU_DENSE_MAX_LENGTH_WIDE if dim >= CPU_WIDE_DIM else CPU_DENSE_MAX_LENGTH
     return (
         plan is None
         and h.device.type == "cpu"
-        and length <= CPU_DENSE_MAX_LENGTH
+        and length <= max_length
         and batch * length * length <= CPU_DENSE_MAX_PATTERN_ELEMENTS
     )
 

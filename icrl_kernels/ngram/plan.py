@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._library import inference_op
+
 #: Bits of :attr:`NGramPlan.meta` (per sorted position k).
 SEGMENT_START = 1  # k starts a new n-gram segment
 PREVIOUS_ADJACENT = 2  # the previous element of the segment is position perm[k] - 1
@@ -140,18 +142,19 @@ def build_ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     return NGramPlan(perm, meta, count)
 
 
-@torch.library.custom_op("icrl::ngram_plan", mutates_args=())
-def _ngram_plan_op(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ngram_plan(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(build_ngram_plan(ids, n))
 
 
-@_ngram_plan_op.register_fake
-def _(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ngram_plan_fake(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         ids.new_empty(ids.shape, dtype=torch.int64),
         ids.new_empty(ids.shape, dtype=torch.uint8),
         ids.new_empty(ids.shape, dtype=torch.int32),
     )
+
+
+_ngram_plan_op = inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake)
 
 
 def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
