@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
         eager = time_call(make_inputs, call, "eager", args.repeats)
         reference = time_call(make_inputs, call, "reference", args.repeats)
         rows.append({"op": name, "eager_us": eager * 1e6, "reference_us": reference * 1e6})
-    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, median of {args.repeats}")
+    machine = platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, {machine}, 1 thread, median of {args.repeats}")
     print("| op | eager (registered op) us | reference (plain autograd) us |")
     print("|---|---:|---:|")
     for row in rows:

@@ -50,27 +50,47 @@ def headline_cases() -> list[Case]:
     cases.append(Case("ngram_attention fwd+bwd", "B8 L65536 D512", bf16, ngram_cost(8, 65536, 512, dtype=bf16)))
     for A in (125, 4096, 1_000_000):
         cases.append(
-            Case("infonce_loss fwd+bwd (grad pred)", f"N65536 D512 A{A}", bf16,
-                 infonce_fwd_bwd_cost(65536, 512, A, dtype=bf16))  # fmt: skip
+            Case(
+                "infonce_loss fwd+bwd (grad pred)",
+                f"N65536 D512 A{A}",
+                bf16,
+                infonce_fwd_bwd_cost(65536, 512, A, dtype=bf16),
+            )  # fmt: skip
         )
     cases.append(
-        Case("infonce_loss fwd+bwd (grad pred, embeds)", "N65536 D512 A125", bf16,
-             infonce_fwd_bwd_cost(65536, 512, 125, dtype=bf16, grad_embeds=True))  # fmt: skip
+        Case(
+            "infonce_loss fwd+bwd (grad pred, embeds)",
+            "N65536 D512 A125",
+            bf16,
+            infonce_fwd_bwd_cost(65536, 512, 125, dtype=bf16, grad_embeds=True),
+        )  # fmt: skip
     )
     cases.append(Case("select_actions", "N65536 D512 A4096", bf16, select_actions_cost(65536, 512, 4096, dtype=bf16)))
     for B in (16, 64):
         cases.append(
-            Case("MoAAttention layer fwd+bwd", f"B{B} L1024 H12 Dh64", bf16,
-                 attention_fwd_bwd_cost(B, 1024, 12, 64, dtype=bf16))  # fmt: skip
+            Case(
+                "MoAAttention layer fwd+bwd",
+                f"B{B} L1024 H12 Dh64",
+                bf16,
+                attention_fwd_bwd_cost(B, 1024, 12, 64, dtype=bf16),
+            )  # fmt: skip
         )
     cases.append(
-        Case("mixture_of_heads fwd+bwd", "B16 L1024 H12 Dh64", bf16,
-             mixture_of_heads_fwd_bwd_cost(16, 1024, 12, 64, dtype=bf16))  # fmt: skip
+        Case(
+            "mixture_of_heads fwd+bwd",
+            "B16 L1024 H12 Dh64",
+            bf16,
+            mixture_of_heads_fwd_bwd_cost(16, 1024, 12, 64, dtype=bf16),
+        )  # fmt: skip
     )
     cases.append(Case("smeared_keys fwd+bwd", "B64 H12 L1024 Dh64", bf16, smeared_cost(64, 12, 1024, 64, dtype=bf16)))
     cases.append(
-        Case("looped train step", "B64 L81 D256 b30 T15", bf16,
-             train_step_cost(64, 81, 256, loops=30, grad_loops=15, dtype=bf16))  # fmt: skip
+        Case(
+            "looped train step",
+            "B64 L81 D256 b30 T15",
+            bf16,
+            train_step_cost(64, 81, 256, loops=30, grad_loops=15, dtype=bf16),
+        )  # fmt: skip
     )
     cases.append(
         Case("looped inference", "B64 L81 D256 500 loops", bf16, inference_cost(64, 81, 256, loops=500, dtype=bf16))
