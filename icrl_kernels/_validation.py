@@ -92,6 +92,77 @@ def check_choice(value: object, name: str, choices: Iterable[str]) -> str:
     return value  # type: ignore[return-value]
 
 
+def check_bool(value: object, name: str) -> bool:
+    """Check a flag: a real ``bool`` (``"yes"`` or ``1`` would pass silently as truthy); return it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_finite_float(value: object, name: str) -> float:
+    """Check a finite real number (bool is rejected); return it as ``float``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_probability(value: object, name: str) -> float:
+    """Check a dropout-style probability in ``[0, 1)``; return it as ``float``."""
+    value = check_finite_float(value, name)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value}")
+    return value
+
+
+def check_features(
+    value: object, name: str, width: int, *, width_name: str = "d_model", dims: str = "B, L"
+) -> torch.Tensor:
+    """Check a module activation ``[*dims, width]``: a float tensor of that rank whose last dim is ``width``.
+
+    ``dims`` names the leading dimensions (``"B, L"`` for ``[B, L, D]``); the messages say the expected
+    shape, e.g. ``x must have shape [B, L, 64] (d_model=64), got [2, 5, 63]``. Shapes and dtypes only.
+    """
+    rank = len(dims.split(",")) + 1
+    tensor = check_tensor(value, name, ndim=rank, dtypes=FLOAT_DTYPES)
+    if tensor.shape[-1] != width:
+        raise ValueError(f"{name} must have shape [{dims}, {width}] ({width_name}={width}), got {list(tensor.shape)}")
+    return tensor
+
+
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def check_matches_params(value: torch.Tensor, name: str, param: torch.Tensor) -> None:
+    """Raise when a module input is on another device than its parameters (``param``: ``ValueError``) or
+    has another dtype (``TypeError``), unless autocast is on for its device (autocast casts both sides
+    of each matmul itself)."""
+    if value.device != param.device:
+        raise ValueError(
+            f"{name} is on {value.device} but the module's parameters are on {param.device}; "
+            f"move one of them (module.to(device))"
+        )
+    if value.dtype == param.dtype:
+        return
+    device_type = value.device.type
+    if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
+        return
+    dtype, want = str(value.dtype).replace("torch.", ""), str(param.dtype).replace("torch.", "")
+    raise TypeError(
+        f"{name} has dtype {dtype} but the module's parameters are {want}: cast the input or the module "
+        f"(module.to(torch.{dtype})), or run under torch.autocast"
+    )
+
+
+def check_generator(value: object, name: str = "generator") -> torch.Generator | None:
+    """Check an optional ``torch.Generator``; return it."""
+    if value is not None and not isinstance(value, torch.Generator):
+        raise TypeError(f"{name} must be a torch.Generator or None, got {type(value).__name__}")
+    return value
+
+
 # -- value checks that never stall a GPU -----------------------------------------------------------
 #: ``"auto"``: clear ``ValueError`` for CPU tensors (no GPU to stall); on CUDA an asynchronous device
 #: assert (``torch._assert_async``), which, like an out-of-range target in ``F.cross_entropy``, is

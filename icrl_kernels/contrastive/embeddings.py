@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from .._validation import check_int
+from .._validation import check_bool, check_generator, check_int
 
 
 class OvercompleteEmbeddingWarning(UserWarning):
@@ -46,12 +46,21 @@ def orthonormal_embeddings(
     dim = check_int(dim, "dim", min_value=1)
     if batch is not None:
         batch = check_int(batch, "batch", min_value=1)
+    check_generator(generator)
+    strict = check_bool(strict, "strict")
     dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {type(dtype).__name__} {dtype!r}")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     if device is None:
         device = generator.device if generator is not None else torch.device("cpu")
-    device = torch.device(device)
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:  # an unknown device string: torch's message lists the valid types
+        raise ValueError(f"device must name a device, got {device!r}: {error}") from None
     if generator is not None and generator.device.type != device.type:
         raise ValueError(f"generator is on {generator.device} but device is {device}; use a generator on {device}")
     if num_actions > dim:

@@ -2,86 +2,30 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op, inference_op
 from .._validation import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
     KERNEL_FLOAT_DTYPES,
     check_choice,
     check_int,
     check_positive_float,
-    check_same_device,
-    check_tensor,
     check_values,
 )
+from .checks import (
+    IGNORE_INDEX,
+    REDUCTIONS,
+    SELECTION_MODES,
+    canonical,
+    check_rows_have_actions,
+    check_target_values,
+    check_targets,
+)
 from .eager import infonce_backward_eager, infonce_forward_eager, select_actions_eager
-from .reference import IGNORE_INDEX, infonce_loss_reference, reduce_row_losses, select_actions_reference
-
-REDUCTIONS = ("mean", "sum", "none")
-SELECTION_MODES = ("sample", "argmax")
-
-
-class _Canonical(NamedTuple):
-    """Inputs in the layout every path shares: ``pred [B, T, D]``, ``embeds [1 or B, A, D]`` (1: one
-    map shared by all rows), ``mask [1 or B, 1 or T, A]`` uint8 (strided views, no copies) or None."""
-
-    pred: torch.Tensor
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
-
-
-def _canonical(pred: object, action_embeds: object, mask: object) -> _Canonical:
-    """Validate shapes, dtypes and devices; return the canonical layout (views of the inputs)."""
-    check_tensor(pred, "pred", ndim=(2, 3), dtypes=FLOAT_DTYPES, nonempty=True)
-    check_tensor(action_embeds, "action_embeds", ndim=(2, 3), dtypes=FLOAT_DTYPES, nonempty=True)
-    check_same_device(pred=pred, action_embeds=action_embeds)
-    if action_embeds.dtype != pred.dtype:
-        raise TypeError(
-            f"action_embeds must have pred's dtype ({pred.dtype}), got {action_embeds.dtype}; cast the map first"
-        )
-    if action_embeds.shape[-1] != pred.shape[-1]:
-        raise ValueError(
-            f"action_embeds width {action_embeds.shape[-1]} does not match pred width {pred.shape[-1]} "
-            f"(shapes {tuple(action_embeds.shape)} and {tuple(pred.shape)})"
-        )
-    num_actions = action_embeds.shape[-2]
-    per_sequence = action_embeds.dim() == 3
-    if per_sequence and action_embeds.shape[0] != pred.shape[0]:
-        raise ValueError(
-            f"per-sequence action_embeds [B, A, D] must have pred's batch size {pred.shape[0]}, "
-            f"got shape {tuple(action_embeds.shape)}"
-        )
-    pred3 = pred if pred.dim() == 3 else (pred[:, None] if per_sequence else pred[None])
-    embeds3 = action_embeds if per_sequence else action_embeds[None]
-    if mask is None:
-        return _Canonical(pred3, embeds3, None)
-    check_tensor(mask, "mask", dtypes=(torch.bool,))
-    check_same_device(pred=pred, mask=mask)
-    full = tuple(pred.shape[:-1]) + (num_actions,)
-    if tuple(mask.shape) == (num_actions,):
-        mask3 = mask[None, None]
-    elif tuple(mask.shape) == full:
-        mask3 = mask.reshape(pred3.shape[:2] + (num_actions,))
-    elif pred.dim() == 3 and tuple(mask.shape) == (pred.shape[0], num_actions):
-        mask3 = mask[:, None]
-    else:
-        per_seq = f", [B, A] = {(pred.shape[0], num_actions)}" if pred.dim() == 3 else ""
-        raise ValueError(f"mask must have shape [A] = ({num_actions},){per_seq} or {full}, got {tuple(mask.shape)}")
-    return _Canonical(pred3, embeds3, mask3.view(torch.uint8))
-
-
-def _check_rows_have_actions(mask: torch.Tensor | None) -> None:
-    # Data-dependent: called inside the opaque ops, so compiled graphs (fullgraph) still raise.
-    if mask is not None:
-        check_values(
-            mask.any(dim=-1).all().logical_not(),
-            "mask leaves a row with no available action (every row needs at least one)",
-        )
+from .reference import infonce_loss_reference, reduce_row_losses, select_actions_reference
 
 
 def _padded_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -108,36 +52,6 @@ def _padded_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     return padded
 
 
-def _check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
-    check_tensor(targets, "targets", dtypes=INT_DTYPES)
-    if tuple(targets.shape) != tuple(pred.shape[:-1]):
-        want = tuple(pred.shape[:-1])
-        raise ValueError(f"targets must have shape pred.shape[:-1] = {want}, got {tuple(targets.shape)}")
-    check_same_device(pred=pred, targets=targets)
-    return targets
-
-
-def _check_target_values(targets: torch.Tensor, mask: torch.Tensor | None, num_actions: int, ignore_index: int):
-    """Targets in ``[0, A)`` (or ``ignore_index``) and available, checked on the device (no host read on
-    GPU; examples of bad targets are gathered only when a synchronous check fails)."""
-    used = targets != ignore_index
-    out_of_range = used & ((targets < 0) | (targets >= num_actions))
-    check_values(
-        out_of_range.any(),
-        f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}",
-        lambda: f", got {targets[out_of_range][:5].tolist()}",
-    )
-    if mask is not None:
-        index = targets.clamp(0, num_actions - 1)
-        allowed = mask[..., :num_actions].expand(targets.shape + (num_actions,)).gather(-1, index[..., None])[..., 0]
-        unavailable = used & ~out_of_range & (allowed == 0)
-        check_values(
-            unavailable.any(),
-            "targets include actions that mask marks unavailable",
-            lambda: f", e.g. {targets[unavailable][:5].tolist()}",
-        )
-
-
 # -- custom ops ------------------------------------------------------------------------------------
 def _forward(
     pred: torch.Tensor,
@@ -149,8 +63,8 @@ def _forward(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Checked here, inside the opaque op, so that compiled graphs (fullgraph) still raise on bad targets.
-    _check_rows_have_actions(mask)
-    _check_target_values(targets, mask, embeds.shape[1], ignore_index)
+    check_rows_have_actions(mask)
+    check_target_values(targets, mask, embeds.shape[1], ignore_index)
     if impl == "triton":
         from .kernels import infonce_forward_triton
 
@@ -212,7 +126,7 @@ def _select_actions(
     impl: str,
 ) -> torch.Tensor:
     """``seed``: int64 tensor of one element on ``pred``'s device (read by the kernel, never by the host)."""
-    _check_rows_have_actions(mask)
+    check_rows_have_actions(mask)
     if impl == "triton":
         from .kernels import select_actions_triton
 
@@ -297,24 +211,22 @@ def infonce_loss(
             mask allows no action. TypeError: wrong dtypes. The value checks (targets, mask rows) run on
             the device: on CUDA they are asynchronous device asserts (see ``set_value_checks``).
     """
-    canonical = _canonical(pred, action_embeds, mask)
-    targets = _check_targets(targets, pred)
+    canonical_inputs = canonical(pred, action_embeds, mask)
+    targets = check_targets(targets, pred)
     tau = check_positive_float(tau, "tau")
     check_choice(reduction, "reduction", REDUCTIONS)
     ignore_index = check_int(ignore_index, "ignore_index")
     impl = _resolve(backend, pred)
     targets = targets.long()  # before comparing with ignore_index: -100 would wrap around in uint8
-    targets2 = targets.reshape(canonical.pred.shape[:2])
-    if impl == "reference":
-        _check_rows_have_actions(canonical.mask)
-        _check_target_values(targets2, canonical.mask, action_embeds.shape[-2], ignore_index)
+    targets2 = targets.reshape(canonical_inputs.pred.shape[:2])
+    if impl == "reference":  # the reference runs the same checks, the value checks included
         return infonce_loss_reference(
             pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
         )
     # Triton: a padded copy of a misaligned mask, made once per call (the backward reuses the saved one).
-    mask3 = _padded_mask(canonical.mask) if impl == "triton" else canonical.mask
+    mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
     losses = infonce_op(
-        canonical.pred.contiguous(), canonical.embeds.contiguous(), targets2.contiguous(), mask3,
+        canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), targets2.contiguous(), mask3,
         tau, ignore_index, impl,
     )[0].reshape(targets.shape)  # fmt: skip
     return reduce_row_losses(losses, targets, reduction, ignore_index)
@@ -350,15 +262,14 @@ def select_actions(
     Returns:
         int64 action ids of shape ``pred.shape[:-1]``.
     """
-    canonical = _canonical(pred, action_embeds, mask)
+    canonical_inputs = canonical(pred, action_embeds, mask)
     check_choice(mode, "mode", SELECTION_MODES)
     tau = check_positive_float(tau, "tau")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     impl = _resolve(backend, pred)
     sample = mode == "sample"
-    if impl == "reference":
-        _check_rows_have_actions(canonical.mask)
+    if impl == "reference":  # the reference checks the mask rows itself
         gumbel = None
         if sample:
             from .eager import gumbel_noise
@@ -368,8 +279,8 @@ def select_actions(
         return select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)
     # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
     seed = _draw_seed(generator, pred.device) if sample else torch.zeros(1, dtype=torch.int64, device=pred.device)
-    mask3 = _padded_mask(canonical.mask) if impl == "triton" else canonical.mask
+    mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
     actions = select_actions_op(
-        canonical.pred.contiguous(), canonical.embeds.contiguous(), mask3, tau, sample, seed, impl
+        canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), mask3, tau, sample, seed, impl
     )
     return actions.reshape(pred.shape[:-1])

@@ -9,6 +9,10 @@ Conventions (DESIGN.md 2.2):
   we deliberately do not copy that.
 * ``action_embeds`` is one map ``[A, D]`` shared by every row, or one map per sequence ``[B, A, D]``
   (then ``pred`` is ``[B, D]`` or ``[B, T, D]``).
+
+Each function checks its arguments as the public ops do (``checks.py``: the same messages, naming the
+argument) before any arithmetic; the checks read shapes and dtypes only, value checks go through
+``check_values``.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .._validation import FLOAT_DTYPES, check_choice, check_int, check_positive_float, check_tensor
+from .checks import (
+    IGNORE_INDEX,
+    REDUCTIONS,
+    canonical,
+    check_rows_have_actions,
+    check_target_values,
+    check_targets,
+)
 
 
 def action_logits_reference(
@@ -27,11 +39,21 @@ def action_logits_reference(
     Args:
         pred: ``[N, D]`` or ``[B, T, D]`` (or ``[B, D]`` with per-sequence maps).
         action_embeds: ``[A, D]`` shared, or ``[B, A, D]`` per sequence.
-        mask: bool, broadcastable to the logits after the per-sequence alignment below, or ``None``.
+        mask: bool ``[A]``, ``[B, A]`` (with ``[B, T, D]`` pred) or ``pred.shape[:-1] + (A,)``, or ``None``.
 
     Returns:
         ``pred.shape[:-1] + (A,)`` float32.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`infonce_loss` (shapes, dtypes, devices, tau).
     """
+    canonical(pred, action_embeds, mask)
+    tau = check_positive_float(tau, "tau")
+    return _logits(pred, action_embeds, tau, mask)
+
+
+def _logits(pred: torch.Tensor, action_embeds: torch.Tensor, tau: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`action_logits_reference` on checked arguments."""
     pred32, embeds32 = pred.float(), action_embeds.float()
     if embeds32.dim() == 2:
         logits = pred32 @ embeds32.T
@@ -61,9 +83,21 @@ def infonce_loss_reference(
 
     Rows whose target is ``ignore_index`` contribute 0 and are left out of the mean. Returns float32:
     a scalar for ``"mean"`` / ``"sum"``, ``pred.shape[:-1]`` for ``"none"``.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`infonce_loss`: shapes, dtypes, devices,
+        ``tau``, ``reduction``, ``ignore_index``; targets out of range or unavailable and mask rows with
+        no action through ``check_values`` (an asynchronous device assert on CUDA).
     """
+    canon = canonical(pred, action_embeds, mask)
+    check_targets(targets, pred)
+    tau = check_positive_float(tau, "tau")
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ignore_index = check_int(ignore_index, "ignore_index")
     targets = targets.long()  # before comparing with ignore_index: -100 would wrap around in uint8
-    logits = action_logits_reference(pred, action_embeds, tau=tau, mask=mask)
+    check_rows_have_actions(canon.mask)
+    check_target_values(targets.reshape(canon.pred.shape[:2]), canon.mask, action_embeds.shape[-2], ignore_index)
+    logits = _logits(pred, action_embeds, tau, mask)
     losses = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none", ignore_index=ignore_index
     ).reshape(targets.shape)
@@ -87,8 +121,31 @@ def select_actions_reference(
     mask: torch.Tensor | None = None,
     gumbel: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``argmax_a (logits + gumbel)`` (``gumbel=None``: plain argmax, the lowest index among ties)."""
-    logits = action_logits_reference(pred, action_embeds, tau=tau, mask=mask)
+    """``argmax_a (logits + gumbel)`` (``gumbel=None``: plain argmax, the lowest index among ties).
+
+    Args:
+        pred, action_embeds, tau, mask: as in :func:`infonce_loss_reference`.
+        gumbel: float noise broadcastable to the logits ``pred.shape[:-1] + (A,)``, or None.
+
+    Returns:
+        int64 action ids of shape ``pred.shape[:-1]``.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`select_actions`; a mask row with no available
+        action through ``check_values``.
+    """
+    canon = canonical(pred, action_embeds, mask)
+    tau = check_positive_float(tau, "tau")
+    check_rows_have_actions(canon.mask)
+    if gumbel is not None:
+        check_tensor(gumbel, "gumbel", dtypes=FLOAT_DTYPES)
+        logits_shape = tuple(pred.shape[:-1]) + (action_embeds.shape[-2],)
+        broadcasts = gumbel.dim() <= len(logits_shape) and all(
+            size in (1, want) for size, want in zip(reversed(gumbel.shape), reversed(logits_shape))
+        )
+        if not broadcasts:
+            raise ValueError(f"gumbel must broadcast to the logits' shape {logits_shape}, got {tuple(gumbel.shape)}")
+    logits = _logits(pred, action_embeds, tau, mask)
     if gumbel is not None:
         logits = logits + gumbel
     return logits.argmax(dim=-1)

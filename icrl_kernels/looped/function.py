@@ -15,14 +15,10 @@ import torch
 from .._backend import resolve_backend
 from .._library import differentiable_op
 from .._validation import (
-    FLOAT_DTYPES,
     KERNEL_FLOAT_DTYPES,
     check_positive_float,
-    check_same_device,
-    check_shape,
-    check_tensor,
 )
-from .reference import compute_dtype_of, inject_layer_norm_reference, injected_sum
+from .reference import check_inject_layer_norm_args, compute_dtype_of, inject_layer_norm_reference, injected_sum
 
 
 # -- eager path: ATen's fused LayerNorm kernels on the fp32 sum -----------------------------------
@@ -179,32 +175,6 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
 
 
 # -- public function -------------------------------------------------------------------------------
-def _validate(y, prompt, pos, weight, bias) -> None:
-    check_tensor(prompt, "prompt", ndim=3, dtypes=FLOAT_DTYPES)
-    batch, length, width = prompt.shape
-    if width == 0:
-        raise ValueError(f"prompt must have a nonzero model width D (last dim), got shape {tuple(prompt.shape)}")
-    devices = {"prompt": prompt}
-    if y is not None:
-        check_tensor(y, "y", ndim=3, dtypes=FLOAT_DTYPES)
-        check_shape(y, "y", tuple(prompt.shape), "prompt.shape")
-        if y.dtype != prompt.dtype:
-            raise TypeError(f"y must have prompt's dtype ({prompt.dtype}), got {y.dtype}; cast one of them first")
-        devices["y"] = y
-    if pos is not None:
-        check_tensor(pos, "pos", ndim=2, dtypes=FLOAT_DTYPES)
-        check_shape(pos, "pos", (length, width), "(prompt.shape[1], prompt.shape[2]) = (L, D)")
-        devices["pos"] = pos
-    check_tensor(weight, "weight", ndim=1, dtypes=FLOAT_DTYPES)
-    check_shape(weight, "weight", (width,), "(prompt.shape[2],) = (D,)")
-    devices["weight"] = weight
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
-        check_shape(bias, "bias", (width,), "(prompt.shape[2],) = (D,)")
-        devices["bias"] = bias
-    check_same_device(**devices)
-
-
 def inject_layer_norm(
     y: torch.Tensor | None,
     prompt: torch.Tensor,
@@ -250,7 +220,7 @@ def inject_layer_norm(
             on different devices, ``eps <= 0``, an unknown backend. TypeError: a non-float tensor,
             ``y`` and ``prompt`` of different dtypes, fp64 with ``backend="triton"``.
     """
-    _validate(y, prompt, pos, weight, bias)
+    check_inject_layer_norm_args(y, prompt, pos, weight, bias)
     eps = check_positive_float(eps, "eps")
     impl = resolve_backend(backend, prompt.device)
     if impl == "reference" or prompt.numel() == 0:  # nothing to launch for an empty batch or sequence

@@ -6,8 +6,13 @@ import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op, empty_output
-from .._validation import FLOAT_DTYPES, KERNEL_FLOAT_DTYPES, check_choice, check_same_device, check_shape, check_tensor
-from .reference import GATES, compute_dtype_of, gate_weights_reference, mixture_of_heads_reference
+from .._validation import KERNEL_FLOAT_DTYPES
+from .reference import (
+    check_mixture_of_heads_args,
+    compute_dtype_of,
+    gate_weights_reference,
+    mixture_of_heads_reference,
+)
 
 
 def empty_like_layout(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -140,11 +145,7 @@ def mixture_of_heads(
         in fp32; differentiable w.r.t. both inputs. The ``head_out`` gradient has ``head_out``'s dtype and
         memory order, the ``gate_logits`` gradient ``gate_logits``' dtype.
     """
-    check_tensor(head_out, "head_out", ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor(gate_logits, "gate_logits", ndim=3, dtypes=FLOAT_DTYPES)
-    check_shape(gate_logits, "gate_logits", tuple(head_out.shape[:3]), "head_out.shape[:3], [B, L, H]")
-    check_same_device(head_out=head_out, gate_logits=gate_logits)
-    check_choice(gate, "gate", GATES)
+    check_mixture_of_heads_args(head_out, gate_logits, gate)
     impl = resolve_backend(backend, head_out.device)
     if impl == "reference" or head_out.numel() == 0:  # nothing to launch for an empty batch or sequence
         return mixture_of_heads_reference(head_out, gate_logits, gate)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import FLOAT_DTYPES, check_choice, check_same_device, check_shape, check_tensor
+
 #: Gate normalisations, in the order the Triton kernels number them.
 GATES: tuple[str, ...] = ("softmax", "sigmoid", "linear")
 
@@ -54,6 +56,20 @@ def gate_weights_reference(gate_logits: torch.Tensor, gate: str = "softmax") -> 
     raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
 
 
+def check_mixture_of_heads_args(head_out: object, gate_logits: object, gate: object) -> None:
+    """The argument checks of :func:`mixture_of_heads` and its reference (shapes, dtypes, devices only).
+
+    Raises:
+        TypeError: a non-tensor or non-float input. ValueError: a wrong rank, ``gate_logits`` not
+            ``head_out.shape[:3]``, tensors on different devices, an unknown ``gate``.
+    """
+    check_tensor(head_out, "head_out", ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(gate_logits, "gate_logits", ndim=3, dtypes=FLOAT_DTYPES)
+    check_shape(gate_logits, "gate_logits", tuple(head_out.shape[:3]), "head_out.shape[:3], [B, L, H]")
+    check_same_device(head_out=head_out, gate_logits=gate_logits)
+    check_choice(gate, "gate", GATES)
+
+
 def mixture_of_heads_reference(
     head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str = "softmax"
 ) -> torch.Tensor:
@@ -67,7 +83,12 @@ def mixture_of_heads_reference(
     Returns:
         ``[B, L, H * Dh]`` in ``head_out.dtype``, computed in fp32 (fp64 for fp64 inputs);
         differentiable w.r.t. both inputs by autograd.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`mixture_of_heads`
+        (:func:`check_mixture_of_heads_args`).
     """
+    check_mixture_of_heads_args(head_out, gate_logits, gate)
     dtype = compute_dtype_of(head_out, gate_logits)
     weights = gate_weights_reference(gate_logits, gate).to(dtype)
     batch, length, heads, head_dim = head_out.shape

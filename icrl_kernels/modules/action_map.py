@@ -5,7 +5,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import INT_DTYPES, check_int, check_positive_float, check_tensor, check_values
+from .._backend import BACKENDS
+from .._validation import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_choice,
+    check_int,
+    check_positive_float,
+    check_same_device,
+    check_tensor,
+    check_values,
+)
 from ..contrastive import infonce_loss, orthonormal_embeddings, select_actions
 
 
@@ -23,7 +33,7 @@ class ActionMap(nn.Module):
         prev = action_map.embed(batch["prev_actions"])     # [B, T, D], -1 -> zeros
         prompt = action_map.prompt(batch_size)             # [B, A, D] action-set prompt
         pred = model(states, prev, rewards, prompt)        # [B, T, D]
-        loss = action_map.loss(pred, batch["actions"], mask=available)
+        loss = action_map(pred, batch["actions"], mask=available)   # = action_map.loss(...)
 
     Args:
         num_actions: size ``A`` of the action-id space (e.g. the largest arm count, or 125);
@@ -41,7 +51,7 @@ class ActionMap(nn.Module):
         self.num_actions = check_int(num_actions, "num_actions", min_value=1)
         self.embed_dim = check_int(embed_dim, "embed_dim", min_value=1)
         self.tau = check_positive_float(tau, "tau")
-        self.backend = backend
+        self.backend = check_choice(backend, "backend", BACKENDS)
         self.register_buffer("embeddings", torch.empty(0, embed_dim), persistent=False)
 
     @property
@@ -79,6 +89,7 @@ class ActionMap(nn.Module):
         With per-sequence maps ``actions`` is ``[B, ...]`` and row ``b`` uses map ``b``."""
         check_tensor(actions, "actions", dtypes=INT_DTYPES)
         embeddings = self._map()
+        check_same_device(actions=actions, embeddings=embeddings)
         actions = actions.long()
         outside = (actions < -1) | (actions >= self.num_actions)
         check_values(
@@ -100,16 +111,18 @@ class ActionMap(nn.Module):
     def prompt(self, batch_size: int) -> torch.Tensor:
         """The action-set prompt: every action's embedding, ``[batch_size, A, D]`` (a view, no copy)."""
         embeddings = self._map()
+        batch_size = check_int(batch_size, "batch_size", min_value=1)
         if self.per_sequence:
             if batch_size != embeddings.shape[0]:
                 raise ValueError(f"batch_size must be {embeddings.shape[0]} for per-sequence maps, got {batch_size}")
             return embeddings
-        return embeddings.expand(check_int(batch_size, "batch_size", min_value=1), -1, -1)
+        return embeddings.expand(batch_size, -1, -1)
 
     def loss(
         self, pred: torch.Tensor, targets: torch.Tensor, *, mask: torch.Tensor | None = None, reduction: str = "mean"
     ) -> torch.Tensor:
         """:func:`~icrl_kernels.infonce_loss` of ``pred`` against the map (cast to ``pred``'s dtype)."""
+        check_tensor(pred, "pred", dtypes=FLOAT_DTYPES)
         embeddings = self._map().to(pred.dtype)
         return infonce_loss(
             pred, embeddings, targets, tau=self.tau, mask=mask, reduction=reduction, backend=self.backend
@@ -125,10 +138,35 @@ class ActionMap(nn.Module):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """:func:`~icrl_kernels.select_actions` against the map: action ids of shape ``pred.shape[:-1]``."""
+        check_tensor(pred, "pred", dtypes=FLOAT_DTYPES)
         embeddings = self._map().to(pred.dtype)
         return select_actions(
             pred, embeddings, mode=mode, tau=self.tau, mask=mask, generator=generator, backend=self.backend
         )
+
+    def forward(
+        self, pred: torch.Tensor, targets: torch.Tensor, *, mask: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        """The training loss, :meth:`loss`: ``action_map(pred, targets)`` is ``action_map.loss(pred, targets)``.
+
+        The forward returns the loss rather than the logits ``pred . e_a / tau`` because the logits are
+        what the fused :func:`~icrl_kernels.infonce_loss` exists to never materialise (``[N, A]`` floats,
+        with ``A`` up to millions); code that wants them can compute ``pred @ action_map.embeddings.T``.
+        Being the forward also makes the loss visible to module hooks and wrappers that only call
+        ``forward`` (``torch.compile(action_map)``, forward hooks).
+
+        Args:
+            pred: predicted action embeddings ``[N, D]`` or ``[B, T, D]`` (with per-sequence maps
+                ``[B, D]`` or ``[B, T, D]``), float.
+            targets: integer action ids of shape ``pred.shape[:-1]`` in ``[0, A)`` (``-100`` = padding).
+            mask: bool availability, ``[A]``, ``[B, A]`` or ``pred.shape[:-1] + (A,)``.
+            reduction: ``"mean"``, ``"sum"`` or ``"none"`` (then ``pred.shape[:-1]``).
+
+        Returns:
+            float32 loss, ``[]`` (or ``pred.shape[:-1]`` with ``reduction="none"``), differentiable
+            w.r.t. ``pred``.
+        """
+        return self.loss(pred, targets, mask=mask, reduction=reduction)
 
     def extra_repr(self) -> str:
         return f"num_actions={self.num_actions}, embed_dim={self.embed_dim}, tau={self.tau}, backend={self.backend!r}"

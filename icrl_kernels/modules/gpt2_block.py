@@ -12,6 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._validation import (
+    FLOAT_DTYPES,
+    check_features,
+    check_int,
+    check_matches_params,
+    check_positive_float,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from .moa_attention import MoAAttention
 
 
@@ -20,6 +31,8 @@ class GPT2MLP(nn.Module):
 
     def __init__(self, d_model: int, dropout: float = 0.0) -> None:
         super().__init__()
+        d_model = check_int(d_model, "d_model", min_value=1)
+        dropout = check_probability(dropout, "dropout")
         self.c_fc = nn.Linear(d_model, 4 * d_model)
         self.c_proj = nn.Linear(4 * d_model, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -55,6 +68,8 @@ class GPT2Block(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        self.d_model = check_int(d_model, "d_model", min_value=1)  # before nn.LayerNorm(-1) fails obscurely
+        eps = check_positive_float(eps, "eps")
         self.ln_1 = nn.LayerNorm(d_model, eps=eps)
         self.attn = MoAAttention(d_model, n_heads, gate=gate, dropout=dropout, backend=backend)
         self.ln_2 = nn.LayerNorm(d_model, eps=eps)
@@ -73,8 +88,18 @@ class GPT2Block(nn.Module):
         return_gates: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """``normed``: ``ln_1(x)`` when the caller computed it already (a fused injection + LayerNorm);
-        ``head_mask [H]`` scales each head's contribution (0 ablates a head)."""
-        normed = self.ln_1(x) if normed is None else normed
+        ``head_mask [H]`` scales each head's contribution (0 ablates a head).
+
+        Raises ``ValueError``/``TypeError`` naming ``x``, ``normed`` or ``head_mask`` for a wrong shape or
+        dtype (see :meth:`MoAAttention.forward`)."""
+        check_features(x, "x", self.d_model)
+        check_matches_params(x, "x", self.ln_1.weight)
+        if normed is None:
+            normed = self.ln_1(x)
+        else:
+            check_tensor(normed, "normed", ndim=3, dtypes=FLOAT_DTYPES)
+            check_shape(normed, "normed", tuple(x.shape), "x.shape, [B, L, D]")
+            check_same_device(x=x, normed=normed)
         if return_gates:
             attended, gates = self.attn(normed, head_mask=head_mask, return_gates=True)
         else:

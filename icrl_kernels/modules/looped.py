@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from .._backend import BACKENDS
-from .._validation import check_choice, check_int, check_tensor
+from .._validation import (
+    check_bool,
+    check_choice,
+    check_features,
+    check_int,
+    check_matches_params,
+    check_probability,
+)
 from ..looped import inject_layer_norm
 from .gpt2_block import GPT2Block
 
@@ -56,15 +63,30 @@ class LoopedBlock(nn.Module):
         self.d_model = check_int(d_model, "d_model", min_value=1)
         self.max_positions = check_int(max_positions, "max_positions", min_value=1)
         check_int(n_layers, "n_layers", min_value=1)
+        check_probability(dropout, "dropout")
         self.backend = check_choice(backend, "backend", BACKENDS)
-        self.cuda_graph = bool(cuda_graph)
+        self.cuda_graph = check_bool(cuda_graph, "cuda_graph")
         self.wpe = nn.Embedding(max_positions, d_model)
         self.blocks = nn.ModuleList(GPT2Block(d_model, n_heads, dropout=dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self._graphs: dict[tuple, _GraphedLoopStep] = {}
 
+    def _check_prompt(self, prompt: torch.Tensor) -> None:
+        """``prompt [B, L, D]``: a float tensor, ``D = d_model``, ``L <= max_positions``, the parameters' dtype."""
+        check_features(prompt, "prompt", self.d_model)
+        if prompt.shape[1] > self.max_positions:
+            raise ValueError(f"prompt length {prompt.shape[1]} exceeds max_positions={self.max_positions}")
+        check_matches_params(prompt, "prompt", self.wpe.weight)
+
     def step(self, y: torch.Tensor | None, prompt: torch.Tensor) -> torch.Tensor:
-        """One loop: ``Y_{t+1} = ln_f(blocks(Y_t + P + pos))`` (``y=None`` is ``Y_0 = 0``); ``[B, L, D]``."""
+        """One loop: ``Y_{t+1} = ln_f(blocks(Y_t + P + pos))`` (``y=None`` is ``Y_0 = 0``); ``[B, L, D]``.
+
+        ``y`` must have ``prompt``'s shape; errors name ``prompt`` or ``y``."""
+        self._check_prompt(prompt)
+        return self._step(y, prompt)
+
+    def _step(self, y: torch.Tensor | None, prompt: torch.Tensor) -> torch.Tensor:
+        # Unchecked: the loops check the prompt once, not once per iteration.
         first = self.blocks[0]
         pos = self.wpe.weight[: prompt.shape[1]]
         if y is not None and y.dtype != prompt.dtype:
@@ -98,32 +120,41 @@ class LoopedBlock(nn.Module):
         Returns:
             ``[T, B, L, D]``, or ``[T, B, L, *]`` with ``read_out``.
         """
-        check_tensor(prompt, "prompt", ndim=3)
-        if prompt.shape[-1] != self.d_model:
-            raise ValueError(f"prompt must be [B, L, {self.d_model}], got {tuple(prompt.shape)}")
-        if prompt.shape[1] > self.max_positions:
-            raise ValueError(f"prompt length {prompt.shape[1]} exceeds max_positions={self.max_positions}")
+        self._check_prompt(prompt)
         loops = check_int(loops, "loops", min_value=1)
         grad_loops = loops if grad_loops is None else check_int(grad_loops, "grad_loops", min_value=1)
         if grad_loops > loops:
             raise ValueError(f"grad_loops ({grad_loops}) must be <= loops ({loops})")
-        y = self.run_without_grad(prompt, loops - grad_loops)
+        _check_read_out(read_out)
+        y = self._run_without_grad(prompt, loops - grad_loops)
         outputs = []
         for _ in range(grad_loops):
-            y = self.step(y, prompt)
+            y = self._step(y, prompt)
             outputs.append(y if read_out is None else read_out(y))
         return torch.stack(outputs)
 
     def iterates(self, prompt: torch.Tensor, loops: int, read_out: nn.Module | None = None):
-        """Yield ``Y_1 .. Y_loops`` (or their read-outs) without autograd: for evaluating many loops cheaply."""
+        """Yield ``Y_1 .. Y_loops`` (or their read-outs) without autograd: for evaluating many loops cheaply.
+
+        Arguments are checked at the call, not at the first ``next()``."""
+        self._check_prompt(prompt)
+        loops = check_int(loops, "loops", min_value=1)
+        _check_read_out(read_out)
+        return self._iterates(prompt, loops, read_out)
+
+    def _iterates(self, prompt: torch.Tensor, loops: int, read_out: nn.Module | None):
         y = None
         with torch.no_grad():
-            for _ in range(check_int(loops, "loops", min_value=1)):
-                y = self.step(y, prompt)
+            for _ in range(loops):
+                y = self._step(y, prompt)
                 yield y if read_out is None else read_out(y)
 
     def run_without_grad(self, prompt: torch.Tensor, loops: int) -> torch.Tensor | None:
         """``Y_loops`` computed under ``torch.no_grad`` (``None`` for zero loops, i.e. ``Y_0 = 0``)."""
+        self._check_prompt(prompt)
+        return self._run_without_grad(prompt, check_int(loops, "loops", min_value=0))
+
+    def _run_without_grad(self, prompt: torch.Tensor, loops: int) -> torch.Tensor | None:
         if loops == 0:
             return None
         if self.cuda_graph and prompt.is_cuda:
@@ -131,7 +162,7 @@ class LoopedBlock(nn.Module):
         y = None
         with torch.no_grad():
             for _ in range(loops):
-                y = self.step(y, prompt)
+                y = self._step(y, prompt)
         return y
 
     def _graphed(self, prompt: torch.Tensor) -> _GraphedLoopStep:
@@ -142,6 +173,11 @@ class LoopedBlock(nn.Module):
         if key not in self._graphs:
             self._graphs[key] = _GraphedLoopStep(self, prompt)
         return self._graphs[key]
+
+
+def _check_read_out(read_out: object) -> None:
+    if read_out is not None and not callable(read_out):
+        raise TypeError(f"read_out must be a module or callable, got {type(read_out).__name__}")
 
 
 class _GraphedLoopStep:
@@ -158,11 +194,11 @@ class _GraphedLoopStep:
         side.wait_stream(torch.cuda.current_stream(prompt.device))
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(2):  # warm-up outside capture: Triton compilation, cuBLAS workspaces
-                self.y.copy_(block.step(self.y, self.prompt))
+                self.y.copy_(block._step(self.y, self.prompt))
         torch.cuda.current_stream(prompt.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.y.copy_(block.step(self.y, self.prompt))
+            self.y.copy_(block._step(self.y, self.prompt))
 
     def run(self, prompt: torch.Tensor, loops: int) -> torch.Tensor:
         self.prompt.copy_(prompt.detach())

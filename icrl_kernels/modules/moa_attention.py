@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .._backend import BACKENDS
-from .._validation import FLOAT_DTYPES, check_choice, check_int, check_shape, check_tensor
+from .._validation import (
+    FLOAT_DTYPES,
+    check_bool,
+    check_choice,
+    check_features,
+    check_int,
+    check_matches_params,
+    check_probability,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from ..moa import GATES, gate_weights_reference, mixture_of_heads
 
 
@@ -56,9 +68,8 @@ class MoAAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.head_dim = d_model // n_heads
         self.gate = None if gate is None else check_choice(gate, "gate", GATES)
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
-        self.dropout = float(dropout)
+        check_bool(bias, "bias")
+        self.dropout = check_probability(dropout, "dropout")
         self.backend = check_choice(backend, "backend", BACKENDS)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # input: head h at features [h*Dh, (h+1)*Dh)
@@ -67,9 +78,8 @@ class MoAAttention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, L, D]`` -> ``q, k, v``, each ``[B, H, L, Dh]`` (strided views of one projection)."""
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.n_heads, self.head_dim).unbind(2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        qkv = rearrange(self.qkv(x), "b l (three h e) -> three b h l e", three=3, h=self.n_heads)
+        return qkv.unbind(0)
 
     def gate_weights(self, gate_input: torch.Tensor) -> torch.Tensor | None:
         """Normalised gate weights ``[B, L, H]`` (fp32) for a gate input ``[B, L, D]``; ``None`` when ungated."""
@@ -77,13 +87,37 @@ class MoAAttention(nn.Module):
             return None
         return gate_weights_reference(self.gate_proj(gate_input), self.gate)
 
-    def _mask(self, attn_mask: torch.Tensor | None, is_causal: bool, length: int, device) -> torch.Tensor | None:
+    def _mask(self, attn_mask: torch.Tensor | None, is_causal: bool, x: torch.Tensor) -> torch.Tensor | None:
+        batch, length, device = x.shape[0], x.shape[1], x.device
         if attn_mask is None:
             return None
         check_tensor(attn_mask, "attn_mask", dtypes=(torch.bool,))
+        full = (batch, self.n_heads, length, length)
+        if attn_mask.dim() > 4 or _broadcast_shape(attn_mask.shape, full) != full:
+            raise ValueError(
+                f"attn_mask must be broadcastable to [B, H, L, L] = {list(full)} (query, key), "
+                f"got {list(attn_mask.shape)}"
+            )
+        check_same_device(x=x, attn_mask=attn_mask)
         if is_causal:
             attn_mask = attn_mask & torch.ones(length, length, dtype=torch.bool, device=device).tril()
         return attn_mask
+
+    def _check_inputs(self, x: torch.Tensor, gate_input: torch.Tensor | None, head_mask: torch.Tensor | None) -> None:
+        """Shapes, dtypes and devices of :meth:`forward`'s tensors (no values are read)."""
+        check_features(x, "x", self.d_model)
+        check_matches_params(x, "x", self.qkv.weight)
+        if gate_input is not None:
+            # Checked even when ungated (then unused), so a stack of mixed layers fails the same way.
+            check_features(gate_input, "gate_input", self.d_model)
+            check_shape(gate_input, "gate_input", tuple(x.shape), "x.shape, [B, L, D]")
+            check_same_device(x=x, gate_input=gate_input)
+            if self.gate_proj is not None:
+                check_matches_params(gate_input, "gate_input", self.gate_proj.weight)
+        if head_mask is not None:
+            check_tensor(head_mask, "head_mask", ndim=1, dtypes=FLOAT_DTYPES)
+            check_shape(head_mask, "head_mask", (self.n_heads,), "(n_heads,)")
+            check_same_device(x=x, head_mask=head_mask)
 
     def forward(
         self,
@@ -99,7 +133,7 @@ class MoAAttention(nn.Module):
 
         Args:
             x: ``[B, L, D]``.
-            gate_input: ``[B, L, D]`` the gate reads (default ``x``).
+            gate_input: ``[B, L, D]`` the gate reads (default ``x``); unused (but checked) when ungated.
             attn_mask: bool, broadcastable to ``[B, H, L, L]`` (query, key); ``True`` = may attend. With
                 ``is_causal`` it is combined with the causal mask. A query that may attend to nothing
                 gets NaN from SDPA, as in PyTorch.
@@ -111,26 +145,29 @@ class MoAAttention(nn.Module):
         Returns:
             ``y [B, L, D]``, or ``(y, gates)`` with ``gates [B, L, H]`` the normalised gate weights in
             fp32 before ``head_mask`` (all ones when ungated, in ``x.dtype``), differentiable.
+
+        Raises:
+            TypeError: a non-tensor or non-float ``x``/``gate_input``/``head_mask``, a non-bool
+                ``attn_mask``, or activations whose dtype differs from the parameters' outside autocast.
+            ValueError: ``x`` not ``[B, L, d_model]``, ``gate_input`` not ``x``'s shape, ``attn_mask`` not
+                broadcastable to ``[B, H, L, L]``, ``head_mask`` not ``[H]``, tensors on different devices.
         """
-        check_tensor(x, "x", ndim=3, dtypes=FLOAT_DTYPES)
+        self._check_inputs(x, gate_input, head_mask)
         batch, length, _ = x.shape
         q, k, v = self.project(x)
-        mask = self._mask(attn_mask, is_causal, length, x.device)
+        mask = self._mask(attn_mask, is_causal, x)
         attended = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal and mask is None,
         )  # fmt: skip
-        heads = attended.transpose(1, 2)  # [B, L, H, Dh], a view: the gating op reads the strides
-        if head_mask is not None:
-            check_tensor(head_mask, "head_mask", ndim=1, dtypes=FLOAT_DTYPES)
-            check_shape(head_mask, "head_mask", (self.n_heads,), "(n_heads,)")
+        heads = rearrange(attended, "b h l e -> b l h e")  # a view: the gating op reads the strides
         gates = None
         if self.gate_proj is None:
             if head_mask is not None:
                 heads = heads * head_mask.to(heads.dtype).view(1, 1, -1, 1)
-            merged = heads.reshape(batch, length, self.d_model)
+            merged = rearrange(heads, "b l h e -> b l (h e)")
             if return_gates:
                 gates = x.new_ones(batch, length, self.n_heads)
         else:
@@ -151,15 +188,15 @@ class MoAAttention(nn.Module):
         """``(W_q, W_k)``, each ``[H, D, Dh]`` with ``q_h = x @ W_q[h]``: ``M_h = W_q[h] @ W_k[h].T`` is the
         ``[D, D]`` bilinear form of head ``h``'s scores (Definition 4.1 of the Markov-heads paper)."""
         weight = self.qkv.weight.detach()  # [3D, D]: rows [q | k | v], head h at rows h*Dh:(h+1)*Dh of each
-        w_q, w_k, _ = weight.view(3, self.n_heads, self.head_dim, self.d_model).transpose(-1, -2).unbind(0)
+        w_q, w_k, _ = rearrange(weight, "(three h e) d -> three h d e", three=3, h=self.n_heads).unbind(0)
         return w_q, w_k
 
     def ov_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_v [H, D, Dh], W_o [H, Dh, D])``: head ``h`` writes ``x @ W_v[h] @ W_o[h]`` (times its gate and
         attention weights) to the residual stream; ``W_v[h] @ W_o[h]`` is its ``[D, D]`` OV circuit."""
         weight = self.qkv.weight.detach()
-        w_v = weight[2 * self.d_model :].view(self.n_heads, self.head_dim, self.d_model).transpose(-1, -2)
-        w_o = self.out_proj.weight.detach().t().reshape(self.n_heads, self.head_dim, self.d_model)
+        w_v = rearrange(weight[2 * self.d_model :], "(h e) d -> h d e", h=self.n_heads)
+        w_o = rearrange(self.out_proj.weight.detach(), "d (h e) -> h e d", h=self.n_heads)
         return w_v, w_o
 
     def extra_repr(self) -> str:
@@ -167,3 +204,11 @@ class MoAAttention(nn.Module):
             f"d_model={self.d_model}, n_heads={self.n_heads}, gate={self.gate!r}, dropout={self.dropout}, "
             f"backend={self.backend!r}"
         )
+
+
+def _broadcast_shape(shape: torch.Size, target: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``torch.broadcast_shapes(shape, target)``, or ``None`` where they do not broadcast."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target))
+    except RuntimeError:
+        return None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .._backend import BACKENDS
-from .._validation import check_choice, check_int
+from .._validation import check_bool, check_choice, check_features, check_int, check_matches_params
 from ..ngram import NGramDecodeState, ngram_attention
 from ..ngram.plan import NGramPlan
 
@@ -37,11 +37,17 @@ class NGramAttention(nn.Module):
         self.d_model = check_int(d_model, "d_model", min_value=1)
         self.n = check_int(n, "n", min_value=1)
         self.backend = check_choice(backend, "backend", BACKENDS)
+        check_bool(bias, "bias")
         self.attn_proj = nn.Linear(d_model, d_model, bias=bias)  # W_a
         self.skip_proj = nn.Linear(d_model, d_model, bias=bias)  # W_h
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, *, plan: NGramPlan | None = None) -> torch.Tensor:
-        """``h [B, L, D]``, ``ids [B, L]`` -> ``[B, L, D]``; ``plan``: a shared :func:`ngram_plan` of ``(ids, n)``."""
+        """``h [B, L, D]``, ``ids [B, L]`` -> ``[B, L, D]``; ``plan``: a shared :func:`ngram_plan` of ``(ids, n)``.
+
+        Raises ``ValueError``/``TypeError`` naming ``h`` (not ``[B, L, d_model]``, not float, a dtype other
+        than the parameters' outside autocast); :func:`ngram_attention` checks ``ids`` and ``plan``."""
+        check_features(h, "h", self.d_model)
+        check_matches_params(h, "h", self.attn_proj.weight)
         mixed = ngram_attention(h, ids, self.n, backend=self.backend, plan=plan)
         return self.attn_proj(mixed) + self.skip_proj(h)
 
@@ -56,6 +62,15 @@ class NGramAttention(nn.Module):
 
     def step(self, state: NGramDecodeState, h_t: torch.Tensor, ids_t: torch.Tensor) -> torch.Tensor:
         """One position of :meth:`forward` for incremental decoding: ``h_t [B, D]``, ``ids_t [B]`` -> ``[B, D]``."""
+        if not isinstance(state, NGramDecodeState):
+            raise TypeError(f"state must be an NGramDecodeState (from init_decode_state), got {type(state).__name__}")
+        if state.n != self.n or state.dim != self.d_model:
+            raise ValueError(
+                f"state must be made for this layer (n={self.n}, dim={self.d_model}), "
+                f"got n={state.n}, dim={state.dim}: use init_decode_state()"
+            )
+        check_features(h_t, "h_t", self.d_model, dims="B")
+        check_matches_params(h_t, "h_t", self.attn_proj.weight)
         mixed = state.step(h_t, ids_t).to(h_t.dtype)
         return self.attn_proj(mixed) + self.skip_proj(h_t)
 

@@ -6,10 +6,18 @@ import math
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from .._backend import BACKENDS
-from .._validation import check_choice, check_int
+from .._validation import (
+    check_bool,
+    check_choice,
+    check_features,
+    check_finite_float,
+    check_int,
+    check_matches_params,
+)
 from ..smeared import smeared_keys, smeared_keys_reference
 
 
@@ -57,6 +65,8 @@ class SmearedKeyAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.head_dim = d_model // num_heads
         self.backend = check_choice(backend, "backend", BACKENDS)
+        smear, bias = check_bool(smear, "smear"), check_bool(bias, "bias")
+        smear_init = check_finite_float(smear_init, "smear_init")
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)  # input: heads concatenated, head h at [h*Dh, (h+1)*Dh)
         self.smear_logit = nn.Parameter(torch.full((num_heads,), float(smear_init))) if smear else None
@@ -70,19 +80,27 @@ class SmearedKeyAttention(nn.Module):
         return None if self.smear_logit is None else torch.sigmoid(self.smear_logit.detach())
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, L, D]`` -> unsmeared ``q, k, v``, each ``[B, H, L, Dh]``."""
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.num_heads, self.head_dim).unbind(2)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        """``x [B, L, D]`` -> unsmeared ``q, k, v``, each ``[B, H, L, Dh]`` (strided views of one projection)."""
+        self._check_input(x)
+        qkv = rearrange(self.qkv(x), "b l (three h e) -> three b h l e", three=3, h=self.num_heads)
+        return qkv.unbind(0)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        check_features(x, "x", self.d_model)
+        check_matches_params(x, "x", self.qkv.weight)
 
     def merge_heads(self, y: torch.Tensor) -> torch.Tensor:
         """Per-head outputs ``[B, H, L, Dh]`` -> ``W_O`` of their concatenation, ``[B, L, D]``."""
-        batch, _, length, _ = y.shape
-        return self.out(y.transpose(1, 2).reshape(batch, length, self.d_model))
+        return self.out(rearrange(y, "b h l e -> b l (h e)"))
 
     def forward(
         self, x: torch.Tensor, *, need_weights: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Causal attention of ``x [B, L, D]`` -> ``[B, L, D]``; with ``need_weights`` also the pattern
+        ``[B, H, L, L]`` (:meth:`attention_pattern`).
+
+        Raises ``ValueError`` (``x`` not ``[B, L, d_model]``) or ``TypeError`` (not a float tensor, or a
+        dtype other than the parameters' outside autocast), naming ``x``."""
         q, k, v = self.project(x)
         if self.smear_logit is not None:
             k = smeared_keys(k, self.smear_logit, backend=self.backend)

@@ -6,8 +6,15 @@ import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op
-from .._validation import FLOAT_DTYPES, KERNEL_FLOAT_DTYPES, check_same_device, check_shape, check_tensor
-from .reference import compute_dtype_of, next_positions, previous_positions, smear_weight, smeared_keys_reference
+from .._validation import KERNEL_FLOAT_DTYPES
+from .reference import (
+    check_smeared_keys_args,
+    compute_dtype_of,
+    next_positions,
+    previous_positions,
+    smear_weight,
+    smeared_keys_reference,
+)
 
 
 def smeared_keys_backward_eager(
@@ -81,10 +88,7 @@ def smeared_keys(k: torch.Tensor, alpha: torch.Tensor, *, backend: str = "auto")
         ``[B, H, L, Dh]`` in ``k.dtype`` (contiguous, except on the reference backend), differentiable w.r.t. ``k``
         and ``alpha``; arithmetic is fp32 whatever the input dtype (fp64 for fp64 inputs).
     """
-    check_tensor(k, "k", ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor(alpha, "alpha", ndim=1, dtypes=FLOAT_DTYPES)
-    check_shape(alpha, "alpha", (k.shape[1],), "(k.shape[1],), one logit per head")
-    check_same_device(k=k, alpha=alpha)
+    check_smeared_keys_args(k, alpha)
     impl = resolve_backend(backend, k.device)
     if impl == "reference" or k.numel() == 0:  # nothing to launch for an empty batch, sequence or head
         return smeared_keys_reference(k, alpha)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._validation import FLOAT_DTYPES, check_same_device, check_shape, check_tensor
+
 
 def compute_dtype_of(k: torch.Tensor) -> torch.dtype:
     """The dtype the reference and the eager path compute in: fp64 for fp64 inputs, fp32 otherwise."""
@@ -34,6 +36,19 @@ def smear_weight(alpha: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.sigmoid(alpha.to(dtype)).view(1, -1, 1, 1)
 
 
+def check_smeared_keys_args(k: object, alpha: object) -> None:
+    """The argument checks of :func:`smeared_keys` and its reference (shapes, dtypes, devices only).
+
+    Raises:
+        TypeError: a non-tensor or non-float input. ValueError: ``k`` not 4-D, ``alpha`` not
+            ``[k.shape[1]]``, tensors on different devices.
+    """
+    check_tensor(k, "k", ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor(alpha, "alpha", ndim=1, dtypes=FLOAT_DTYPES)
+    check_shape(alpha, "alpha", (k.shape[1],), "(k.shape[1],), one logit per head")
+    check_same_device(k=k, alpha=alpha)
+
+
 def smeared_keys_reference(k: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Smeared keys ``k' = sigmoid(alpha) k_j + (1 - sigmoid(alpha)) k_{j-1}`` (``k_{-1} = 0``), per head.
 
@@ -45,7 +60,11 @@ def smeared_keys_reference(k: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor
 
     Returns:
         ``[B, H, L, Dh]`` in ``k.dtype``; differentiable w.r.t. ``k`` and ``alpha`` by autograd.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`smeared_keys` (:func:`check_smeared_keys_args`).
     """
+    check_smeared_keys_args(k, alpha)
     dtype = compute_dtype_of(k)
     weight = smear_weight(alpha, dtype)
     keys = k.to(dtype)

@@ -1,0 +1,124 @@
+"""Argument checks of the contrastive ops, shared by the public functions and the references.
+
+A module of its own because ``function.py`` imports ``reference.py``: the references cannot import the
+public functions' checks from there without an import cycle. Shape, dtype and device checks read no
+tensor value; the value checks (targets in range, rows with an available action) go through
+``check_values`` (no host sync on CUDA).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._validation import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor, check_values
+
+IGNORE_INDEX = -100
+REDUCTIONS = ("mean", "sum", "none")
+SELECTION_MODES = ("sample", "argmax")
+
+
+class Canonical(NamedTuple):
+    """Inputs in the layout every path shares: ``pred [B, T, D]``, ``embeds [1 or B, A, D]`` (1: one
+    map shared by all rows), ``mask [1 or B, 1 or T, A]`` uint8 (strided views, no copies) or None."""
+
+    pred: torch.Tensor
+    embeds: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def canonical(pred: object, action_embeds: object, mask: object) -> Canonical:
+    """Validate shapes, dtypes and devices; return the canonical layout (views of the inputs).
+
+    Args:
+        pred: ``[N, D]`` or ``[B, T, D]`` (``[B, D]`` with per-sequence maps), float, nonempty.
+        action_embeds: ``[A, D]`` or ``[B, A, D]``, ``pred``'s dtype and device, nonempty.
+        mask: bool ``[A]``, ``[B, A]`` (with ``[B, T, D]`` pred) or ``pred.shape[:-1] + (A,)``, or None.
+
+    Raises:
+        TypeError: a non-tensor, a non-float ``pred``/``action_embeds``, different dtypes, a non-bool mask.
+        ValueError: a wrong rank, an empty ``pred``/``action_embeds``, a width, batch or mask shape that
+            does not match, tensors on different devices.
+    """
+    check_tensor(pred, "pred", ndim=(2, 3), dtypes=FLOAT_DTYPES, nonempty=True)
+    check_tensor(action_embeds, "action_embeds", ndim=(2, 3), dtypes=FLOAT_DTYPES, nonempty=True)
+    check_same_device(pred=pred, action_embeds=action_embeds)
+    if action_embeds.dtype != pred.dtype:
+        raise TypeError(
+            f"action_embeds must have pred's dtype ({pred.dtype}), got {action_embeds.dtype}; cast the map first"
+        )
+    if action_embeds.shape[-1] != pred.shape[-1]:
+        raise ValueError(
+            f"action_embeds width {action_embeds.shape[-1]} does not match pred width {pred.shape[-1]} "
+            f"(shapes {tuple(action_embeds.shape)} and {tuple(pred.shape)})"
+        )
+    num_actions = action_embeds.shape[-2]
+    per_sequence = action_embeds.dim() == 3
+    if per_sequence and action_embeds.shape[0] != pred.shape[0]:
+        raise ValueError(
+            f"per-sequence action_embeds [B, A, D] must have pred's batch size {pred.shape[0]}, "
+            f"got shape {tuple(action_embeds.shape)}"
+        )
+    pred3 = pred if pred.dim() == 3 else (pred[:, None] if per_sequence else pred[None])
+    embeds3 = action_embeds if per_sequence else action_embeds[None]
+    if mask is None:
+        return Canonical(pred3, embeds3, None)
+    check_tensor(mask, "mask", dtypes=(torch.bool,))
+    check_same_device(pred=pred, mask=mask)
+    full = tuple(pred.shape[:-1]) + (num_actions,)
+    if tuple(mask.shape) == (num_actions,):
+        mask3 = mask[None, None]
+    elif tuple(mask.shape) == full:
+        mask3 = mask.reshape(pred3.shape[:2] + (num_actions,))
+    elif pred.dim() == 3 and tuple(mask.shape) == (pred.shape[0], num_actions):
+        mask3 = mask[:, None]
+    else:
+        per_seq = f", [B, A] = {(pred.shape[0], num_actions)}" if pred.dim() == 3 else ""
+        raise ValueError(f"mask must have shape [A] = ({num_actions},){per_seq} or {full}, got {tuple(mask.shape)}")
+    return Canonical(pred3, embeds3, mask3.view(torch.uint8))
+
+
+def check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
+    """``targets``: an integer tensor of shape ``pred.shape[:-1]`` on ``pred``'s device; return it."""
+    check_tensor(targets, "targets", dtypes=INT_DTYPES)
+    if tuple(targets.shape) != tuple(pred.shape[:-1]):
+        want = tuple(pred.shape[:-1])
+        raise ValueError(f"targets must have shape pred.shape[:-1] = {want}, got {tuple(targets.shape)}")
+    check_same_device(pred=pred, targets=targets)
+    return targets
+
+
+def check_rows_have_actions(mask: torch.Tensor | None) -> None:
+    """Every row of the canonical ``mask`` allows at least one action (a value check, no host sync on GPU)."""
+    if mask is not None:
+        check_values(
+            mask.any(dim=-1).all().logical_not(),
+            "mask leaves a row with no available action (every row needs at least one)",
+        )
+
+
+def check_target_values(targets: torch.Tensor, mask: torch.Tensor | None, num_actions: int, ignore_index: int):
+    """Targets in ``[0, A)`` (or ``ignore_index``) and available, checked on the device (no host read on
+    GPU; examples of bad targets are gathered only when a synchronous check fails).
+
+    Args:
+        targets: int64 ``[B, T]`` (the canonical rows).
+        mask: the canonical uint8 mask ``[1 or B, 1 or T, A or more]``, or None.
+    """
+    used = targets != ignore_index
+    out_of_range = used & ((targets < 0) | (targets >= num_actions))
+    check_values(
+        out_of_range.any(),
+        f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}",
+        lambda: f", got {targets[out_of_range][:5].tolist()}",
+    )
+    if mask is not None:
+        index = targets.clamp(0, num_actions - 1)
+        allowed = mask[..., :num_actions].expand(targets.shape + (num_actions,)).gather(-1, index[..., None])[..., 0]
+        unavailable = used & ~out_of_range & (allowed == 0)
+        check_values(
+            unavailable.any(),
+            "targets include actions that mask marks unavailable",
+            lambda: f", e.g. {targets[unavailable][:5].tolist()}",
+        )
