@@ -10,7 +10,6 @@ expected to be after ``n`` assignments: the paper's Figure 2. Writes ``compare.j
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cli import command_line
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .data import generate_histories, save_histories
 from .data.generate import ENV_NAMES
 from .plots import plot_curves
@@ -69,15 +68,18 @@ class CompareConfig:
     num_histories: int = dataclasses.field(default=1000, metadata={"help": "data budget: histories"})
     num_train_tasks: int | None = dataclasses.field(default=None, metadata={"help": "data budget: training goals"})
     source_episodes: int = 200
-    ngram_sizes: str = "1,2"
+    ngram_sizes: tuple[int, ...] = (1, 2)
     backend: str = dataclasses.field(default="auto", metadata={"help": "n-gram kernels (see icrl-train)"})
     eval_episodes: int = 40
     eval_envs_per_task: int = 2
     out_dir: str = "runs/compare"
     seed: int = 0
     progress: bool = True
+    threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
+    compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
 
     def __post_init__(self) -> None:
+        self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         # Checked here, before the sweep generates data, not when the first TrainConfig is built.
         if self.env not in ENV_NAMES:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
@@ -93,7 +95,7 @@ def compare(config: CompareConfig) -> dict:
         env=config.env, num_histories=config.num_histories, num_train_tasks=config.num_train_tasks,
         source_episodes=config.source_episodes, ngram_sizes=config.ngram_sizes, backend=config.backend,
         steps=config.steps, eval_episodes=config.eval_episodes, eval_envs_per_task=config.eval_envs_per_task,
-        seed=config.seed, progress=config.progress,
+        seed=config.seed, progress=config.progress, threads=config.threads, compile=config.compile,
     )  # fmt: skip
     data = out / "train.icrl"
     if not data.exists():
@@ -132,7 +134,7 @@ def compare(config: CompareConfig) -> dict:
 
 @command_line("icrl-compare")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="icrl-compare", description=__doc__)
+    parser = make_parser("icrl-compare", __doc__)
     add_config_arguments(parser, CompareConfig)
     compare(config_from_args(CompareConfig, parser.parse_args(argv)))
     return 0

@@ -21,6 +21,7 @@ from icrl_kernels import NGramAttention, NGramDecodeState, ngram_attention, reso
 from icrl_kernels.testing import relative_rms_error
 
 from ._cli import command_line, non_negative_int, positive_int
+from .config import plain_text
 
 NUM_STATES, NUM_ACTIONS, NUM_REWARDS = 81, 5, 2
 
@@ -102,7 +103,7 @@ def run(config: DemoConfig) -> list[dict]:
 
 @command_line("icrl-demo")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="icrl-demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="icrl-demo", description=plain_text(__doc__.splitlines()[0]))
     parser.add_argument("--batch", type=positive_int, default=DemoConfig.batch)
     parser.add_argument("--dim", type=positive_int, default=DemoConfig.dim)
     parser.add_argument("--n", type=positive_int, default=DemoConfig.n)

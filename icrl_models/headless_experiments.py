@@ -26,7 +26,6 @@ Outputs in ``--out-dir``: one run folder per model (as ``icrl-train`` writes), `
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -37,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ._cli import command_line
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, config_from_args, make_parser
 from .data import generate_histories, save_histories
 from .train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 
@@ -132,6 +131,8 @@ class HeadlessExperimentConfig:
     seed: int = 0
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
     progress: bool = True
+    threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
+    compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
 
     def __post_init__(self) -> None:
         if self.experiment not in EXPERIMENTS:
@@ -143,7 +144,8 @@ class HeadlessExperimentConfig:
 def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str, TrainConfig]:
     data = out_dir / "train.icrl"
     configs = preset_configs(config.experiment, config.preset, out_dir, str(data), config.seed)
-    overrides = {"device": config.device, "progress": config.progress}
+    overrides = {"device": config.device, "progress": config.progress, "threads": config.threads,
+                 "compile": config.compile}  # fmt: skip
     if config.steps is not None:
         overrides["steps"] = config.steps
     if config.experiment != "darkroom":
@@ -239,9 +241,7 @@ def plot_scores(results: dict, path: Path) -> None:
 
 @command_line("icrl-headless")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="icrl-headless", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-headless", __doc__)
     add_config_arguments(parser, HeadlessExperimentConfig)
     results = run_experiment(config_from_args(HeadlessExperimentConfig, parser.parse_args(argv)))
     print(results_table(results))

@@ -60,15 +60,18 @@ from .analysis.induction import (
     scores_by_site,
     uniform_causal_pattern,
 )
-from .config import add_config_arguments, config_from_args, torch_threads
+from .config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 
 
 @dataclass
 class InductionConfig:
     """The phase-change experiment; defaults finish in a few minutes on 2 CPU cores."""
 
-    variants: str = dataclasses.field(
-        default="1L,1L-smear,2L,2L-smear", metadata={"help": "comma-separated models: <layers>L[-smear]"}
+    # Several values (--variants 1L 2L-smear); a comma-separated 1L,2L-smear (older command lines and
+    # induction.json files) is read the same.
+    variants: tuple[str, ...] = dataclasses.field(
+        default=("1L", "1L-smear", "2L", "2L-smear"),
+        metadata={"help": "models to train, each <layers>L or <layers>L-smear", "metavar": "VARIANT"},
     )
     vocab_size: int = 64
     context_len: int = dataclasses.field(default=64, metadata={"help": "tokens per training sequence"})
@@ -90,12 +93,16 @@ class InductionConfig:
     backend: str = dataclasses.field(default="auto", metadata={"help": "smeared-key kernels: auto, triton, eager"})
     #: Models this small gain nothing from intra-op threads, and on a CPU shared with other jobs a
     #: second OpenMP thread spin-waiting for its core made steps 25x slower (measured, 2 cores).
-    num_threads: int = dataclasses.field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
+    num_threads: int = dataclasses.field(
+        default=1,
+        metadata={"help": "torch CPU threads (0: half the available cores, 1 to 4)", "aliases": ("--threads",)},
+    )
     seed: int = 0
     out_dir: str = "runs/induction"
     progress: bool = True
 
     def __post_init__(self) -> None:
+        self.variants = as_tuple(self.variants, str, "variants")
         for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "steps", "batch_size",
                      "eval_every", "eval_batch"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -111,10 +118,10 @@ class InductionConfig:
     def variant_specs(self) -> list[tuple[str, int, bool]]:
         """``(name, layers, smear)`` per entry of ``variants``."""
         specs = []
-        for name in (part.strip() for part in self.variants.split(",") if part.strip()):
+        for name in (str(variant).strip() for variant in self.variants):
             layers, _, suffix = name.partition("L")
             if not layers.isdigit() or int(layers) < 1 or suffix not in ("", "-smear"):
-                raise ValueError(f"variant must look like 1L, 2L-smear, ...; got {name!r}")
+                raise ValueError(f"variants: each variant must look like 1L, 2L-smear, ...; got {name!r}")
             specs.append((name, int(layers), suffix == "-smear"))
         if not specs:
             raise ValueError("variants must name at least one model")
@@ -548,9 +555,7 @@ def _ad_report_command(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="icrl-induction", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-induction", __doc__)
     commands = parser.add_subparsers(dest="command")
     phase = commands.add_parser("phase-change", help="the smeared-key / two-layer phase-change experiment (default)")
     add_config_arguments(phase, InductionConfig)
@@ -559,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     ad.add_argument("--run-dir", required=True, help="an icrl-train run folder (config.json, checkpoint.pt)")
     ad.add_argument("--repeat-episodes", type=int, default=2, help="episodes per repeated window (default: 2)")
     ad.add_argument("--num-windows", type=int, default=32, help="windows to average over (default: 32)")
-    ad.add_argument("--seed", type=int, default=0)
+    ad.add_argument("--seed", type=int, default=0, help="(default: 0)")
     ad.add_argument("--out", default=None, help="JSON path (default: RUN_DIR/induction_heads.json)")
     ad.set_defaults(handler=_ad_report_command)
     return parser

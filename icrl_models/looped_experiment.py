@@ -18,7 +18,6 @@ curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -32,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ._cli import command_line, resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
-from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
+from .config import add_config_arguments, config_from_args, fill_from_preset, make_parser, torch_threads
 from .function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -96,7 +95,7 @@ class LoopedExperimentConfig:
     eval_loop_factor: int = _field("evaluate the looped model up to this many times the trained b", 5)
     skip_unlooped: bool = _field("train only the looped model", False)
     seed: int = _field("random seed", 0)
-    threads: int | None = _field("torch CPU threads (default: torch's choice)")
+    threads: int | None = _field("torch CPU threads (default: half the available cores, 1 to 4)")
     device: str = _field("cpu or cuda", "cpu")
     backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
     cuda_graph: bool = _field("replay the no-grad loops from a CUDA graph (CUDA only)", False)
@@ -373,9 +372,7 @@ def plot_results(report: dict, path: Path) -> None:
 
 @command_line("icrl-looped")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="icrl-looped", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-looped", __doc__)
     add_config_arguments(parser, LoopedExperimentConfig)
     args = parser.parse_args(argv)
     report = run_experiment(config_from_args(LoopedExperimentConfig, args))

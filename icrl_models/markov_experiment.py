@@ -61,7 +61,7 @@ from tqdm.auto import tqdm
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .analysis.markov import MarkovReport, g_markov, markov_heads
-from .config import add_config_arguments, config_from_args, fill_from_preset, torch_threads
+from .config import add_config_arguments, as_tuple, config_from_args, fill_from_preset, make_parser, torch_threads
 from .envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from .envs.base import BatchedEnv
 from .generators import NoiseDistillation, RandomAgent, collect_histories
@@ -80,9 +80,9 @@ PRESET_VALUES = {
         n_layer=2,
         n_head=4,
         n_embd=64,
-        context_lens="10",
-        markov_heads="0,1",
-        seeds="0,1,2",
+        context_lens=(10,),
+        markov_heads=(0, 1),
+        seeds=(0, 1, 2),
         steps=1500,
         batch_size=32,
         learning_rate=1e-3,
@@ -97,9 +97,9 @@ PRESET_VALUES = {
         n_layer=12,
         n_head=12,
         n_embd=768,
-        context_lens="10,20,30,40,50",
-        markov_heads="1,5,10",
-        seeds="0,1,2",
+        context_lens=(10, 20, 30, 40, 50),
+        markov_heads=(1, 5, 10),
+        seeds=(0, 1, 2),
         steps=20000,
         batch_size=64,
         learning_rate=1e-4,
@@ -113,51 +113,77 @@ PRESET_VALUES = {
 }
 
 
+def _preset_help(name: str, text: str = "") -> str:
+    """``text`` and the default of a field the preset fills in, per preset (as typed on the command line)."""
+    shown = {preset: values[name] for preset, values in PRESET_VALUES.items()}
+    shown = {preset: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for preset, v in shown.items()}
+    return f"{text} (default: from --preset, {', '.join(f'{p} {v}' for p, v in shown.items())})".strip()
+
+
 @dataclass
 class MarkovConfig:
     """The experiment; ``None`` fields take the preset's value (:data:`PRESET_VALUES`)."""
 
-    preset: str = dataclasses.field(default="cpu", metadata={"help": f"one of {PRESETS}"})
-    tasks: str = dataclasses.field(
-        default="dark_room_visible,key_to_door,dark_room", metadata={"help": f"comma-separated, from {tuple(TASKS)}"}
-    )
-    context_lens: str | None = dataclasses.field(
-        default=None, metadata={"help": "comma-separated context lengths k (steps); one training per task and k"}
-    )
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_embd: int | None = None
+    preset: str = dataclasses.field(default="cpu", metadata={"help": " or ".join(PRESETS)})
+    # List fields take several values (--seeds 0 1 2); a comma-separated 0,1,2 (older command lines,
+    # configs and markov.json files) is read the same.
+    tasks: tuple[str, ...] = dataclasses.field(
+        default=tuple(TASKS),
+        metadata={"help": "tasks to run: dark_room_visible (short-term), key_to_door, dark_room (long-term)",
+                  "metavar": "TASK"},
+    )  # fmt: skip
+    context_lens: tuple[int, ...] | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("context_lens", "context lengths k (steps); one training per task and k"),
+                  "metavar": "K"},
+    )  # fmt: skip
+    n_layer: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("n_layer")})
+    n_head: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("n_head")})
+    n_embd: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("n_embd")})
     dropout: float = 0.1
-    moa_layers: str = dataclasses.field(default="0", metadata={"help": "comma-separated MoA-gated layers"})
-    gate: str = dataclasses.field(default="softmax", metadata={"help": "softmax, sigmoid or linear"})
-    markov_heads: str | None = dataclasses.field(
-        default=None, metadata={"help": "layer-0 heads made Markov at initialisation ('' for none)"}
+    moa_layers: tuple[int, ...] = dataclasses.field(
+        default=(0,), metadata={"help": "layers whose attention the MoA gates", "metavar": "LAYER"}
     )
+    gate: str = dataclasses.field(default="softmax", metadata={"help": "softmax, sigmoid or linear"})
+    markov_heads: tuple[int, ...] | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("markov_heads", "layer-0 heads made Markov at initialisation; the flag "
+                                       "with no value: none"), "metavar": "HEAD"},
+    )  # fmt: skip
     markov_scale: float = dataclasses.field(default=1.0, metadata={"help": "scale of the Markov heads' W_q, W_k"})
     gpt2: str | None = dataclasses.field(
         default=None, metadata={"help": "local Hugging Face GPT-2 directory to initialise from (no Markov init)"}
     )
-    steps: int | None = None
-    batch_size: int | None = None
-    learning_rate: float | None = None
+    steps: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("steps")})
+    batch_size: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("batch_size")})
+    learning_rate: float | None = dataclasses.field(default=None, metadata={"help": _preset_help("learning_rate")})
     weight_decay: float = 1e-4
-    warmup_steps: int | None = None
+    warmup_steps: int | None = dataclasses.field(default=None, metadata={"help": _preset_help("warmup_steps")})
     grad_clip: float = 0.25
     num_histories: int | None = dataclasses.field(
-        default=None, metadata={"help": "noise-distillation histories per task family (spread over its layouts)"}
+        default=None,
+        metadata={"help": _preset_help("num_histories",
+                                       "noise-distillation histories per task family (spread over its layouts)")},
+    )  # fmt: skip
+    episodes_per_history: int | None = dataclasses.field(
+        default=None, metadata={"help": _preset_help("episodes_per_history")}
     )
-    episodes_per_history: int | None = None
-    key_to_door_layouts: str = dataclasses.field(
-        default="40:0",
-        metadata={"help": "comma-separated KEY:DOOR cells (default: key at the centre, door in a corner)"},
-    )
+    key_to_door_layouts: tuple[str, ...] = dataclasses.field(
+        default=("40:0",),
+        metadata={"help": "Key-to-Door layouts as KEY:DOOR cells in [0, 81) (default: 40:0, the key at the "
+                  "centre and the door in a corner)", "metavar": "KEY:DOOR"},
+    )  # fmt: skip
     key_to_door_episode_length: int = 40
-    eval_every: int | None = dataclasses.field(default=None, metadata={"help": "steps between G_Markov readings"})
+    eval_every: int | None = dataclasses.field(
+        default=None, metadata={"help": _preset_help("eval_every", "steps between G_Markov readings")}
+    )
     analysis_windows: int | None = dataclasses.field(
-        default=None, metadata={"help": "held-out windows for gate weights and head importance"}
+        default=None,
+        metadata={"help": _preset_help("analysis_windows", "held-out windows for gate weights and head importance")},
     )
     eval_envs: int | None = dataclasses.field(
-        default=None, metadata={"help": "rollout episodes per task family (spread over its layouts)"}
+        default=None,
+        metadata={"help": _preset_help("eval_envs", "rollout episodes per task family (spread over its layouts)")},
     )
     sample_actions: bool = dataclasses.field(
         default=False, metadata={"help": "sample actions in rollouts (else argmax)"}
@@ -165,22 +191,36 @@ class MarkovConfig:
     backend: str = dataclasses.field(default="auto", metadata={"help": "MoA kernel backend"})
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
     #: Tiny models gain nothing from intra-op threads on a shared CPU (see icrl-induction).
-    num_threads: int = dataclasses.field(default=1, metadata={"help": "torch CPU threads (0: torch's default)"})
-    seeds: str | None = dataclasses.field(
-        default=None, metadata={"help": "comma-separated seeds: one backbone, dataset and training per seed"}
+    num_threads: int = dataclasses.field(
+        default=1,
+        metadata={"help": "torch CPU threads (0: half the available cores, 1 to 4)", "aliases": ("--threads",)},
     )
+    seeds: tuple[int, ...] | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("seeds", "seeds (>= 0): one backbone, dataset and training per seed"),
+                  "metavar": "SEED"},
+    )  # fmt: skip
     out_dir: str = "runs/markov"
     progress: bool = True
 
     def __post_init__(self) -> None:
         fill_from_preset(self, PRESET_VALUES)
-        unknown = [task for task in self.task_list() if task not in TASKS]
-        if unknown or not self.task_list():
-            raise ValueError(f"tasks must be a comma-separated subset of {tuple(TASKS)}, got {self.tasks!r}")
-        if not self.seed_list():
-            raise ValueError(f"seeds must name at least one seed, got {self.seeds!r}")
-        if not self.context_list() or min(self.context_list()) < 1:
-            raise ValueError(f"context_lens must be positive ints, got {self.context_lens!r}")
+        # The command line gives tuples, markov.json lists, older callers comma strings: normalise to tuples.
+        self.tasks = as_tuple(self.tasks, str, "tasks")
+        self.key_to_door_layouts = as_tuple(self.key_to_door_layouts, str, "key_to_door_layouts")
+        for name in ("context_lens", "moa_layers", "markov_heads", "seeds"):
+            setattr(self, name, as_tuple(getattr(self, name), int, name))
+        if not self.tasks or any(task not in TASKS for task in self.tasks):
+            raise ValueError(f"tasks must be one or more of {tuple(TASKS)}, got {self.tasks!r}")
+        if not self.seeds or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be one or more ints >= 0, got {self.seeds!r}")
+        if not self.context_lens or min(self.context_lens) < 1:
+            raise ValueError(f"context_lens must be one or more ints >= 1, got {self.context_lens!r}")
+        if not self.moa_layers or min(self.moa_layers) < 0:  # the report reads the gate of a MoA layer
+            raise ValueError(f"moa_layers must be one or more ints >= 0, got {self.moa_layers!r}")
+        if self.markov_heads and min(self.markov_heads) < 0:
+            raise ValueError(f"markov_heads must be ints >= 0, got {self.markov_heads!r}")
+        self.key_to_door_task_ids()  # a bad layout fails here, before any training
         for name in ("steps", "batch_size", "num_histories", "episodes_per_history", "eval_every",
                      "analysis_windows", "eval_envs"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -189,8 +229,8 @@ class MarkovConfig:
     def key_to_door_task_ids(self) -> np.ndarray:
         """Task ids ``key * 81 + door`` of :attr:`key_to_door_layouts`."""
         ids = []
-        for pair in (part.strip() for part in self.key_to_door_layouts.split(",") if part.strip()):
-            key, _, door = pair.partition(":")
+        for pair in self.key_to_door_layouts:
+            key, _, door = str(pair).strip().partition(":")
             if not (key.isdigit() and door.isdigit() and int(key) < 81 and int(door) < 81):
                 raise ValueError(f"key_to_door_layouts must be KEY:DOOR cells in [0, 81), got {pair!r}")
             ids.append(int(key) * 81 + int(door))
@@ -198,20 +238,21 @@ class MarkovConfig:
             raise ValueError("key_to_door_layouts must name at least one layout")
         return np.asarray(ids, dtype=np.int64)
 
+    # Accessors kept from the comma-string days; the fields themselves are tuples now.
     def task_list(self) -> list[str]:
-        return [part.strip() for part in self.tasks.split(",") if part.strip()]
+        return list(self.tasks)
 
     def context_list(self) -> list[int]:
-        return [int(part) for part in str(self.context_lens).split(",") if part.strip()]
+        return list(self.context_lens)
 
     def seed_list(self) -> list[int]:
-        return [int(part) for part in str(self.seeds).split(",") if part.strip()]
+        return list(self.seeds)
 
     def markov_head_list(self) -> list[int]:
-        return [int(part) for part in str(self.markov_heads).split(",") if part.strip()]
+        return list(self.markov_heads)
 
     def moa_layer_list(self) -> tuple[int, ...]:
-        return tuple(int(part) for part in self.moa_layers.split(",") if part.strip())
+        return tuple(self.moa_layers)
 
 
 # --- tasks and data -----------------------------------------------------------------------------------
@@ -524,6 +565,12 @@ def _head_table(rows: list[tuple[str, str, list[str]]], heads: int) -> list[str]
     return lines + [f"| {task} | {layer} | " + " | ".join(cells) + " |" for task, layer, cells in rows]
 
 
+def _listed(value) -> str:
+    """A list field of a report's config as markov.md has always shown it: ``0,1`` (older reports hold
+    the comma string itself, newer ones a list)."""
+    return value if isinstance(value, str) else ",".join(str(v) for v in value)
+
+
 def format_tables(report: dict) -> str:
     """Markdown: returns and G_Markov per task (mean ± sd over seeds), gate weight, importance and
     Markov ratio per head, and G_Markov against k when several k were run."""
@@ -533,12 +580,12 @@ def format_tables(report: dict) -> str:
     tasks = list(summary)
     seeds = summary[tasks[0]][str(first_k)]["seeds"]
     backbone = (f"GPT-2 weights from {config['gpt2']}" if config["gpt2"]
-                else f"Markov-initialised heads {config['markov_heads']} of layer 0")  # fmt: skip
+                else f"Markov-initialised heads {_listed(config['markov_heads'])} of layer 0")  # fmt: skip
     lines = [
         f"# Markov heads and MoA weights, short- vs long-term tasks (preset {config['preset']})",
         "",
         f"Model: {model['n_layer']} layers x {model['n_head']} heads x {model['n_embd']}, MoA ({config['gate']}) "
-        f"in layers {config['moa_layers']}; {backbone}; {config['steps']} steps per run; seeds {seeds} "
+        f"in layers {_listed(config['moa_layers'])}; {backbone}; {config['steps']} steps per run; seeds {seeds} "
         "(mean ± sd over seeds). Wall time "
         f"{report['wall_seconds']:.0f} s, process CPU time {report['cpu_seconds']:.0f} s ({report['device']}, "
         f"{report['torch_threads']} torch threads).",
@@ -681,9 +728,7 @@ def format_summary(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="icrl-markov", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-markov", __doc__)
     add_config_arguments(parser, MarkovConfig)
     return parser
 

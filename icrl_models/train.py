@@ -7,9 +7,15 @@ a command-line flag (``icrl-train --help``).
 
 Steps: (1) load the training dataset, or generate it with the source algorithm and cache it in the
 run folder; (2) train with AdamW, linear warm-up then cosine decay, bf16 autocast on CUDA, a
-progress bar, metrics appended to ``metrics.jsonl``, and an atomic ``checkpoint.pt`` every
-``checkpoint_every`` steps (a killed run resumes from it); (3) roll the model out in context on
-held-out tasks and write ``eval.json`` / ``eval.png``, printing a table.
+progress bar, metrics appended to ``metrics.jsonl`` (one row per step: a resumed or rerun run
+rewrites none), optionally to TensorBoard / Weights & Biases (``--track``), and an atomic
+``checkpoint.pt`` every ``checkpoint_every`` steps (a killed run resumes from it); (3) roll the model
+out in context on held-out tasks and write ``eval.json`` / ``eval.png``, printing a table. Rerunning
+a finished run prints its stored result without training or evaluating again.
+
+Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
+shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
+``torch.compile``.
 
 Action sets: models act on *positions* in an environment's action set (local indices), as the
 Headless-AD paper does; AD's head therefore has one output per position of the largest training set,
@@ -23,7 +29,6 @@ processes (gloo); each rank samples its own windows, rank 0 writes data, checkpo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -41,7 +46,7 @@ from tqdm.auto import tqdm
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
-from .config import add_config_arguments, config_from_args
+from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .data import (
     GenerateConfig,
     HistoryWindows,
@@ -57,6 +62,7 @@ from .evaluate import EvalReport, evaluate
 from .generators import make_agent
 from .models.ad import ADConfig, ADModel, action_loss, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
+from .runtime import TRACKERS, Tracker, check_trackers, maybe_compile, torch_threads
 
 MODEL_KINDS = ("ngram_ad", "ad", "headless_ad")
 #: Held-out bandits evaluated when ``eval_tasks`` is not given.
@@ -83,7 +89,9 @@ class TrainConfig:
     action_set: str = dataclasses.field(default="train", metadata={"help": "composite Darkroom: training action set"})
     # -- model -------------------------------------------------------------------------------------
     model: str = dataclasses.field(default="ngram_ad", metadata={"help": f"one of {MODEL_KINDS}"})
-    ngram_sizes: str = dataclasses.field(default="1,2", metadata={"help": "n of each n-gram block (ngram_ad)"})
+    ngram_sizes: tuple[int, ...] = dataclasses.field(
+        default=(1, 2), metadata={"help": "n of each n-gram block (ngram_ad)"}
+    )
     ngram_tokens: str = dataclasses.field(default="state", metadata={"help": "state or transition ids"})
     embed_dim: int = dataclasses.field(default=64, metadata={"help": "headless_ad: random action embedding width"})
     tau: float = dataclasses.field(default=1.0, metadata={"help": "headless_ad: InfoNCE / selection temperature"})
@@ -131,8 +139,26 @@ class TrainConfig:
     seed: int = 0
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
     progress: bool = True
+    # -- speed and tracking (not part of the run's identity: a run may resume with other values) -----
+    threads: int = dataclasses.field(
+        default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
+    )
+    compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
+    track: tuple[str, ...] = dataclasses.field(
+        default=(), metadata={"help": f"log loss, lr, steps/s, eval returns to any of {TRACKERS}", "metavar": "NAME"}
+    )
+    wandb_project: str = dataclasses.field(default="icrl-kernels", metadata={"help": "W&B project (--track wandb)"})
+    wandb_entity: str | None = dataclasses.field(
+        default=None, metadata={"help": "W&B team or user (default: your default entity)"}
+    )
 
     def __post_init__(self) -> None:
+        # JSON (config.json) and older callers spell lists as lists or comma strings: normalise to tuples.
+        self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
+        self.track = as_tuple(self.track, str, "track")
+        check_trackers(self.track)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads must be an int >= 0 (0: automatic), got {self.threads!r}")
         if self.env not in ENV_NAMES:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
@@ -142,16 +168,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if any(n < 1 for n in self.ngram_tuple()):  # also rejects a malformed list, before any data is generated
-            raise ValueError(f"ngram_sizes must be comma-separated ints >= 1, got {self.ngram_sizes!r}")
+        if any(n < 1 for n in self.ngram_sizes):  # checked before any data is generated
+            raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
 
     def ngram_tuple(self) -> tuple[int, ...]:
-        if self.model != "ngram_ad" or not self.ngram_sizes.strip():
-            return ()
-        try:
-            return tuple(int(n) for n in self.ngram_sizes.split(","))
-        except ValueError:
-            raise ValueError(f"ngram_sizes must be comma-separated ints, got {self.ngram_sizes!r}") from None
+        """The n-gram sizes the model gets: ``ngram_sizes`` for ``ngram_ad``, none for the other models."""
+        return self.ngram_sizes if self.model == "ngram_ad" else ()
 
     def generate_config(self, split: str, num_histories: int, num_episodes: int) -> GenerateConfig:
         evaluating = split == "test"
@@ -212,8 +234,13 @@ RUN_IDENTITY_FIELDS = (
 
 
 def run_identity(config: TrainConfig) -> dict:
-    """The config fields a checkpoint must match (:data:`RUN_IDENTITY_FIELDS`)."""
-    return {name: getattr(config, name) for name in RUN_IDENTITY_FIELDS}
+    """The config fields a checkpoint must match (:data:`RUN_IDENTITY_FIELDS`).
+
+    ``ngram_sizes`` is stored as the comma string checkpoints have always held, so that runs written
+    before it became a list still resume."""
+    identity = {name: getattr(config, name) for name in RUN_IDENTITY_FIELDS}
+    identity["ngram_sizes"] = ",".join(str(n) for n in config.ngram_sizes)
+    return identity
 
 
 def load_trained(config: TrainConfig, device: str | torch.device = "cpu"):
@@ -307,7 +334,15 @@ def run_evaluation(
 
 
 def train(config: TrainConfig) -> dict:
-    """Run (or resume) one training run; returns the final evaluation summary (rank 0; {} elsewhere)."""
+    """Run (or resume) one training run; returns the final evaluation summary (rank 0; {} elsewhere).
+
+    A run whose checkpoint is at ``config.steps`` and whose ``metrics.jsonl`` holds the final evaluation
+    is finished: it returns that evaluation's summary at once (no training, no second evaluation row)."""
+    with torch_threads(config.threads):
+        return _train(config)
+
+
+def _train(config: TrainConfig) -> dict:
     ddp = Distributed(config.device)
     run_dir = Path(config.out_dir)
     if ddp.is_main:
@@ -333,60 +368,122 @@ def train(config: TrainConfig) -> dict:
         rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
         torch.set_rng_state(payload["rng"]["torch"])
         step = int(payload["step"])
+    metrics_path = run_dir / "metrics.jsonl"
+    if ddp.is_main:
+        # Rows after the checkpoint's step come from a run killed before its next checkpoint: this run
+        # redoes those steps, so drop them instead of logging every such step twice.
+        _trim_metrics(metrics_path, step)
+    ddp.barrier()
+    if step == config.steps:
+        finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
+        if finished:  # nothing left to do: no second evaluation (and no second row)
+            if ddp.is_main:
+                print(f"{run_dir} is already finished ({step} steps): final return "
+                      f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
+            return finished[-1] if ddp.is_main else {}
+
     trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
+    trained = maybe_compile(trained, config.compile)
+    tracker = (
+        Tracker(config.track, run_dir, dataclasses.asdict(config), project=config.wandb_project,
+                entity=config.wandb_entity)
+        if ddp.is_main else Tracker((), run_dir, {})
+    )  # fmt: skip
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
-    metrics = open(run_dir / "metrics.jsonl", "a") if ddp.is_main else None
+    metrics = open(metrics_path, "a") if ddp.is_main else None
     show = config.progress and ddp.is_main
     bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
     if ddp.is_main and step == 0:
         size = f"{count_parameters(model):,} parameters, {len(windows):,} training windows"
         print(f"{config.model}: {size}", file=sys.stderr)
     model.train()
-    while step < config.steps:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step, config)
-        batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
-        batch = {name: value.to(ddp.device, non_blocking=True) for name, value in batch.items()}
-        with autocast:
-            loss = _loss(model, trained, local_action_batch(batch), config)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        step += 1
-        bar.update(1)
-        if metrics is not None and (step % config.log_every == 0 or step == config.steps):
-            record = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
-                      "grad_norm": float(grad_norm), "seconds": time.perf_counter() - start_time}  # fmt: skip
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            bar.set_postfix(loss=f"{record['loss']:.3f}")
-        if step % config.checkpoint_every == 0 or step == config.steps:
-            _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
-        if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
-            report = run_evaluation(model, config, histories, seed=config.seed + 1)
-            metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
-            metrics.flush()
-            model.train()
-    bar.close()
+    last_log = (step, time.perf_counter())
+    try:
+        while step < config.steps:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(step, config)
+            batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
+            batch = {name: value.to(ddp.device, non_blocking=True) for name, value in batch.items()}
+            with autocast:
+                loss = _loss(model, trained, local_action_batch(batch), config)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+            bar.update(1)
+            if metrics is not None and (step % config.log_every == 0 or step == config.steps):
+                now = time.perf_counter()
+                record = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
+                          "grad_norm": float(grad_norm), "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
+                          "seconds": now - start_time}  # fmt: skip
+                last_log = (step, now)
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
+                bar.set_postfix(loss=f"{record['loss']:.3f}")
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
+            if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
+                report = run_evaluation(model, config, histories, seed=config.seed + 1)
+                metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
+                metrics.flush()
+                tracker.log(step, _eval_scalars(report.summary))
+                model.train()
+        bar.close()
 
-    summary: dict = {}
-    if ddp.is_main:
-        report = run_evaluation(model, config, histories, seed=config.seed + 1)
-        json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
-        summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-        metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
-        metrics.close()
-        print(report.table())
-        print(
-            f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
-            f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
-            f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
-            f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
-        )
+        summary: dict = {}
+        if ddp.is_main:
+            report = run_evaluation(model, config, histories, seed=config.seed + 1)
+            json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
+            summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
+            metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
+            tracker.log(step, _eval_scalars(summary))
+            print(report.table())
+            print(
+                f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
+                f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
+                f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
+                f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
+            )
+    finally:
+        if metrics is not None:
+            metrics.close()
+        tracker.close()
     ddp.barrier()
     return summary
+
+
+_TRACKED = ("loss", "lr", "grad_norm", "steps_per_second")
+
+
+def _eval_scalars(summary: dict) -> dict:
+    return {f"eval/{name}": value for name, value in summary.items() if isinstance(value, (int, float))}
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    """The rows of ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _trim_metrics(path: Path, step: int) -> list[dict]:
+    """Drop the rows of ``metrics.jsonl`` logged after ``step`` (atomically); returns the rows kept."""
+    records = _read_metrics(path)
+    kept = [record for record in records if int(record.get("step", 0)) <= step]
+    if len(kept) != len(records) or (path.exists() and path.read_text().count("\n") != len(records)):
+        temporary = path.with_suffix(".jsonl.partial")
+        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        os.replace(temporary, path)
+    return kept
 
 
 def _loss(model, trained, batch, config: TrainConfig) -> torch.Tensor:
@@ -419,9 +516,7 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
 
 @command_line("icrl-train")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="icrl-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-train", __doc__)
     add_config_arguments(parser, TrainConfig)
     train(config_from_args(TrainConfig, parser.parse_args(argv)))
     return 0

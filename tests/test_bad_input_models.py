@@ -467,14 +467,15 @@ CLI_CASES = [
     ("icrl-demo", ["--n", "0"], "argument --n: must be >= 1, got 0"),
     ("icrl-demo", ["--lengths", "16", "-3"], "argument --lengths: must be >= 1"),
     ("icrl-train", ["--env", "foo"], "env must be one of"),
-    ("icrl-train", ["--ngram-sizes", "1,x"], "ngram_sizes must be comma-separated ints"),
+    ("icrl-train", ["--ngram-sizes", "1,x"], "argument --ngram-sizes: expected int values, got '1,x'"),
+    ("icrl-train", ["--ngram-sizes", "0"], "ngram_sizes must be ints >= 1"),
     ("icrl-train", ["--seed", "-1"], "seed must be >= 0"),
     ("icrl-train", ["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N"),
     ("icrl-data", ["generate", "--env", "foo", "-o", "x.icrl"], "env must be one of"),
     ("icrl-headless", ["--experiment", "foo"], "experiment must be one of"),
     ("icrl-induction", ["--variants", "3X"], "variant must look like"),
     ("icrl-induction", ["ad-report", "--run-dir", "/nonexistent/run"], "/nonexistent/run"),
-    ("icrl-markov", ["--tasks", "nope"], "tasks must be a comma-separated subset"),
+    ("icrl-markov", ["--tasks", "nope"], "tasks must be one or more of"),
     ("icrl-looped", ["--dims-start", "0"], "dims_start must be in"),
 ]
 

@@ -4,6 +4,7 @@ end-to-end ``icrl-markov`` run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -449,7 +450,7 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
     out = tmp_path / "markov"
     argv = ["--steps", "6", "--eval-every", "3", "--num-histories", "6", "--episodes-per-history", "3",
             "--analysis-windows", "8", "--eval-envs", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
-            "--markov-heads", "0", "--context-lens", "3,4", "--key-to-door-episode-length", "10",
+            "--markov-heads", "0", "--context-lens", "3", "4", "--key-to-door-episode-length", "10",
             "--seeds", "0,1", "--tasks", "dark_room_visible,key_to_door", "--backend", "eager", "--no-progress",
             "--out-dir", str(out)]  # fmt: skip
     assert main(argv) == 0
@@ -470,6 +471,65 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
     table = (out / "markov.md").read_text()
     assert "R_Markov" in table and "key_to_door" in table
     assert main(["--tasks", "nope", "--out-dir", str(out)]) == 2
+
+
+def test_icrl_markov_list_flags_and_older_comma_strings():
+    from icrl_models.config import config_from_args
+    from icrl_models.markov_experiment import MarkovConfig, _listed, build_parser
+
+    def parse(*argv):
+        return config_from_args(MarkovConfig, build_parser().parse_args(list(argv)))
+
+    lists = parse("--tasks", "key_to_door", "dark_room", "--context-lens", "3", "4", "--seeds", "0", "2",
+                  "--moa-layers", "0", "1", "--markov-heads", "1",
+                  "--key-to-door-layouts", "40:0", "10:80")  # fmt: skip
+    commas = parse("--tasks", "key_to_door,dark_room", "--context-lens", "3,4", "--seeds", "0,2", "--moa-layers",
+                   "0,1", "--markov-heads", "1", "--key-to-door-layouts", "40:0,10:80")  # fmt: skip
+    assert lists == commas
+    assert (lists.tasks, lists.context_lens, lists.seeds, lists.moa_layers) == (
+        ("key_to_door", "dark_room"), (3, 4), (0, 2), (0, 1))  # fmt: skip
+    assert lists.key_to_door_task_ids().tolist() == [40 * 81, 10 * 81 + 80]
+    # Python callers and markov.json files of older runs hold comma strings; newer ones lists.
+    old = MarkovConfig(tasks="key_to_door,dark_room", context_lens="3,4", seeds="0,2", moa_layers="0,1",
+                       markov_heads="1", key_to_door_layouts="40:0,10:80")  # fmt: skip
+    assert old == lists == MarkovConfig(**json.loads(json.dumps(dataclasses.asdict(lists))))
+    # Presets fill the list fields; "--markov-heads" with no value means no Markov heads, "none" the preset's.
+    default, paper = parse(), parse("--preset", "paper", "--markov-heads", "none")
+    assert (default.context_lens, default.markov_heads, default.seeds) == ((10,), (0, 1), (0, 1, 2))
+    assert (paper.context_lens, paper.markov_heads) == ((10, 20, 30, 40, 50), (1, 5, 10))
+    assert parse("--markov-heads").markov_heads == () == parse("--markov-heads", "").markov_heads
+    assert default.task_list() == list(default.tasks) and default.moa_layer_list() == (0,)
+    # markov.md shows the lists as it always did, from new and old reports alike.
+    assert _listed([0, 1]) == _listed("0,1") == "0,1"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tasks", "nope"], "tasks must be one or more of"),
+        (["--seeds", "x"], "argument --seeds: expected int values, got 'x'"),
+        (["--seeds"], "seeds must be one or more ints >= 0"),
+        (["--seeds", "1", "-1"], "seeds must be one or more ints >= 0"),
+        (["--context-lens", "4,0"], "context_lens must be one or more ints >= 1"),
+        (["--moa-layers", ""], "moa_layers must be one or more ints >= 0"),
+        (["--markov-heads", "-2"], "markov_heads must be ints >= 0"),
+        (["--key-to-door-layouts", "40:0", "99:0"],
+         "key_to_door_layouts must be KEY:DOOR cells in [0, 81), got '99:0'"),
+        (["--key-to-door-layouts", "40"], "key_to_door_layouts must be KEY:DOOR cells"),
+    ],
+)  # fmt: skip
+def test_icrl_markov_bad_list_flags_are_one_line_errors(argv, message, tmp_path, capsys):
+    from icrl_models.markov_experiment import main
+
+    try:
+        status = main([*argv, "--out-dir", str(tmp_path / "markov")])
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    err = capsys.readouterr().err
+    assert status == 2
+    lines = [line for line in err.splitlines() if line.startswith("icrl-markov: error: ")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not (tmp_path / "markov").exists()  # refused before any training
 
 
 def test_icrl_markov_from_a_local_gpt2_checkpoint(tmp_path):

@@ -6,6 +6,7 @@ Kernels are not the point here: models pin ``backend="eager"``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -30,11 +31,13 @@ from icrl_models.analysis import (
     uniform_causal_pattern,
 )
 from icrl_models.analysis.induction import causal_self_attention_pattern
+from icrl_models.config import config_from_args
 from icrl_models.induction_experiment import (
     UNIFORM_BASELINE,
     AttentionOnlyTransformer,
     InductionConfig,
     ad_report,
+    build_parser,
     format_ad_report,
     main,
     repeated_segments,
@@ -322,9 +325,26 @@ def test_experiment_cli_and_config_errors(tmp_path, capsys):
                  "--backend", "eager", "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     assert "1L-smear" in capsys.readouterr().out and (out / "induction.json").exists()
     assert main(["--variants", "3X", "--out-dir", str(out)]) == 2
-    assert "variant must look like" in capsys.readouterr().err
+    assert "icrl-induction: error: variants: each variant must look like 1L" in capsys.readouterr().err
+    assert main(["--variants", "1L", "2X", "--out-dir", str(out)]) == 2
+    assert "got '2X'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="eval_seq_len"):
         _tiny_experiment(tmp_path, eval_seq_len=9)
+
+
+def test_variants_list_flag_and_older_comma_strings(tmp_path):
+    parser = build_parser()
+    listed = parser.parse_args(["phase-change", "--variants", "1L", "2L-smear"])
+    comma = parser.parse_args(["phase-change", "--variants", "1L,2L-smear"])
+    assert config_from_args(InductionConfig, listed) == config_from_args(InductionConfig, comma)
+    # Python callers and induction.json files of older runs hold the comma string, newer ones a list.
+    old, new = _tiny_experiment(tmp_path), _tiny_experiment(tmp_path, variants=["1L", "2L-smear"])
+    assert old == new and old.variants == ("1L", "2L-smear")
+    assert InductionConfig(**json.loads(json.dumps(dataclasses.asdict(old)))) == old
+    assert old.variant_specs() == [("1L", 1, False), ("2L-smear", 2, True)]
+    assert InductionConfig().variants == ("1L", "1L-smear", "2L", "2L-smear")
+    with pytest.raises(ValueError, match="variants must name at least one model"):
+        _tiny_experiment(tmp_path, variants="")
 
 
 def test_ad_report_smoke(tmp_path):

@@ -2,11 +2,13 @@
 
 * :class:`LearningHistories`: ``H`` histories of states, actions, rewards, episode ends, tasks.
 * :func:`save_histories` / :func:`load_histories`: atomic writes; validated, memory-mapped loads.
+* :func:`export_histories` / :func:`import_histories`: the same data as ``.npz`` or HDF5, for other tools.
 * :class:`HistoryWindows`: a torch ``Dataset`` of training windows with episode subsampling.
 * :class:`GenerateConfig` / :func:`generate_histories`: what ``icrl-data generate`` runs.
 """
 
 from .histories import FORMAT_VERSION, DatasetError, LearningHistories
+from .interop import MissingDependencyError, export_histories, import_histories
 from .storage import load_histories, read_header, save_histories
 from .windows import NO_ACTION, HistoryWindows, local_action_batch, local_action_indices
 
@@ -30,8 +32,11 @@ __all__ = [
     "GenerateConfig",
     "HistoryWindows",
     "LearningHistories",
+    "MissingDependencyError",
     "build_env",
+    "export_histories",
     "generate_histories",
+    "import_histories",
     "load_histories",
     "local_action_batch",
     "local_action_indices",

@@ -6,22 +6,24 @@ Examples::
     icrl-data generate --env key_to_door --num-tasks 100 --num-histories 750 --episode-length 40 -o k2d.icrl
     icrl-data generate --env bernoulli_bandit --split test --distribution mirrored -o bandit-mirrored.icrl
     icrl-data info data/dark_room-train.icrl
+    icrl-data export data/dark_room-train.icrl dark_room-train.npz     # or .h5 (needs h5py)
+    icrl-data import dark_room-train.h5 data/dark_room-train.icrl
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import numpy as np
 
-from .._cli import command_line
-from ..config import add_config_arguments, config_from_args
+from .._cli import UsageError, command_line
+from ..config import add_config_arguments, config_from_args, make_parser
 from ..plots import plot_curves
 from .generate import GenerateConfig, generate_histories
 from .histories import LearningHistories
+from .interop import FORMATS, MissingDependencyError, export_histories, import_histories
 from .storage import load_histories, save_histories
 
 
@@ -86,9 +88,7 @@ def _describe(histories: LearningHistories) -> str:
 
 @command_line("icrl-data")
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="icrl-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = make_parser("icrl-data", __doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="run a source algorithm and write its learning histories")
     add_config_arguments(generate, GenerateConfig)
@@ -97,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     for command in (generate, info := commands.add_parser("info", help="validate a dataset and describe it")):
         command.add_argument("--plot", metavar="PNG", help="also save the source algorithm's learning curve")
     info.add_argument("path")
+    export = commands.add_parser("export", help="write a dataset (.icrl) as .npz or HDF5 (.h5, .hdf5)")
+    export.add_argument("path", help="the .icrl dataset to read")
+    export.add_argument("output", help="the .npz / .h5 / .hdf5 file to write")
+    load = commands.add_parser("import", help="validate a .npz or HDF5 container and write it as a dataset (.icrl)")
+    load.add_argument("path", help="the .npz / .h5 / .hdf5 container to read")
+    load.add_argument("output", help="the .icrl dataset to write")
+    for command in (export, load):
+        command.add_argument("--format", choices=FORMATS, help="container format (default: from the file suffix)")
     args = parser.parse_args(argv)
 
     if args.command == "generate":
@@ -106,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         path = save_histories(histories, args.output)
         print(_describe(histories))
         print(f"wrote        {path} in {time.perf_counter() - start:.1f} s")
+    elif args.command in ("export", "import"):
+        try:
+            if args.command == "export":
+                path = export_histories(load_histories(args.path), args.output, args.format)
+            else:
+                path = save_histories(import_histories(args.path, args.format), args.output)
+        except MissingDependencyError as error:
+            raise UsageError(str(error)) from None
+        print(f"wrote        {path}")
+        return 0
     else:
         histories = load_histories(args.path)
         print(_describe(histories))

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from einops import rearrange
 from torch.utils.data import Dataset
+
+from icrl_kernels._validation import check_values
 
 from .._checks import is_integer
 from .histories import LearningHistories
@@ -168,13 +171,17 @@ def local_action_indices(actions: torch.Tensor, action_set: torch.Tensor) -> tor
         ``[B, ...]`` int64 local indices in ``[0, A)``, :data:`NO_ACTION` where ``actions`` was.
 
     Raises:
-        ValueError: an action that is not in its sequence's set.
+        ValueError: an action that is not in its sequence's set (on CUDA an asynchronous device assert:
+            the check never waits for the GPU; see :func:`icrl_kernels._validation.check_values`).
     """
-    flat = actions.reshape(actions.shape[0], -1)
+    flat = rearrange(actions, "b ... -> b (...)")
     match = (flat[..., None] == action_set[:, None, :]) & (action_set >= 0)[:, None, :]
     missing = (flat != NO_ACTION) & ~match.any(-1)
-    if bool(missing.any()):
-        raise ValueError(f"actions {flat[missing][:5].tolist()} are not in their sequence's action set")
+    check_values(
+        missing.any(),
+        "actions must be in their sequence's action set",
+        lambda: f": {flat[missing][:5].tolist()} are not in it",  # read only once the check has failed
+    )
     local = torch.where(flat == NO_ACTION, NO_ACTION, match.to(torch.uint8).argmax(-1))
     return local.reshape(actions.shape)
 
