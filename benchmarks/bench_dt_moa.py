@@ -1,4 +1,4 @@
-"""GPT2-DTMA (Decision Transformer with MoA): one training step, gated against ungated (DESIGN.md 5).
+"""GPT2-DTMA (Decision Transformer with MoA): one training step, gated against ungated (docs/performance.md#targets).
 
 ``test_train_step`` times one optimiser step (forward, backward, AdamW; bf16 autocast on CUDA) of
 :class:`~icrl_models.models.dt_moa.DecisionTransformerMoA` on a batch of ``k``-step windows:

@@ -1,4 +1,4 @@
-"""Contrastive action scoring (Headless-AD): InfoNCE forward + backward and action selection (DESIGN.md 2.2, 5).
+"""Contrastive action scoring (Headless-AD): InfoNCE forward + backward and action selection (docs/ops.md, docs/performance.md#targets).
 
 ``test_infonce_fwd_bwd`` times ``loss = InfoNCE(pred @ E^T / tau, targets)`` and its gradients for one
 shape ``(N, D, A)`` (rows, width, actions; one action map shared by all rows) and one implementation:
@@ -70,7 +70,7 @@ def shape_id(shape: Shape) -> str:
     return f"N{shape.N}-D{shape.D}-A{shape.A}"
 
 
-# Full set (CUDA, or ICRL_BENCH_FULL=1): DESIGN.md section 5's grid, N x D x A. A = 5 and 125 are the
+# Full set (CUDA, or ICRL_BENCH_FULL=1): the target grid (docs/performance.md), N x D x A. A = 5 and 125 are the
 # bandit / dark-room action sets Headless-AD trains on; 4096 .. 1M are the large action spaces where the
 # materialised logits become the bottleneck (and then do not fit at all).
 FULL_SHAPES = [

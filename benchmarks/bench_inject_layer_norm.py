@@ -1,4 +1,4 @@
-"""Looped-transformer input injection + LayerNorm, forward + backward (DESIGN.md sections 2.4 and 5).
+"""Looped-transformer input injection + LayerNorm, forward + backward (docs/ops.md, docs/performance.md#targets).
 
 Every benchmark times ``hidden, normed = op(y, prompt, pos, weight, bias)`` and the gradients w.r.t.
 all five inputs from upstream gradients on both outputs (what one loop of a looped transformer

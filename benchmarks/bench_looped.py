@@ -1,4 +1,4 @@
-"""Looped block: a training step and a long inference loop (DESIGN.md sections 2.4 and 5).
+"""Looped block: a training step and a long inference loop (docs/ops.md, docs/performance.md#targets).
 
 Shapes are the looped-transformer paper's (``D = 256``, 8 heads, one block, prompts of ``L = 81..201``
 tokens, ``B = 64``). Backends (``backend`` in ``extra_info``, as in every other benchmark):

@@ -1,4 +1,4 @@
-"""N-gram match attention, forward + backward (DESIGN.md sections 2.1 and 5).
+"""N-gram match attention, forward + backward (docs/ops.md, docs/performance.md#targets).
 
 Every benchmark times ``out = A(n) @ h`` (row-normalised n-gram match pattern, no projections) and
 the gradient w.r.t. ``h [B, L, D]`` for one shape and one implementation:
@@ -74,23 +74,23 @@ def shape_id(shape: Shape) -> str:
     return f"B{shape.B}-L{shape.L}-D{shape.D}-V{shape.vocab}-n{shape.n}"
 
 
-# Full set (CUDA, or ICRL_BENCH_FULL=1): not the cartesian product of DESIGN.md's ranges, which
+# Full set (CUDA, or ICRL_BENCH_FULL=1): not the cartesian product of the target ranges (docs/performance.md), which
 # would take hours, but three slices through it.
-DESIGN_LENGTHS = (256, 1024, 4096, 16384, 65536)
+TARGET_LENGTHS = (256, 1024, 4096, 16384, 65536)
 # Scaling in L at a fixed width: where the dense O(L^2) paths (reference, FlexAttention, the tiled
 # kernel) fall behind the sort-based ones and then out of memory. 512 and 2048 are extra points
 # around the tiled/sort switch of algorithm="auto" (TILED_MAX_LENGTH; see test_ngram_tiled_crossover).
-LENGTH_SWEEP = [Shape(B=8, L=L, D=512, vocab=81, n=2) for L in sorted({*DESIGN_LENGTHS, 512, 2048})]
+LENGTH_SWEEP = [Shape(B=8, L=L, D=512, vocab=81, n=2) for L in sorted({*TARGET_LENGTHS, 512, 2048})]
 # Vocabulary and n at L = 4096: they change the number of matches per row (not the work of the
 # sort-based paths) and how many blocks of the FlexAttention mask are empty.
 VOCAB_SWEEP = [Shape(B=16, L=4096, D=512, vocab=V, n=n) for V in (81, 10_000) for n in (1, 2, 3)]
-# The batch and width corners of DESIGN.md's range.
+# The batch and width corners of the target range.
 CORNERS = [Shape(B=64, L=1024, D=256, vocab=81, n=2), Shape(B=64, L=4096, D=512, vocab=81, n=2)]
 FULL_SHAPES = LENGTH_SWEEP + VOCAB_SWEEP + CORNERS
 
-# FlexAttention compiles once per distinct shape (tens of seconds each), so it runs on DESIGN.md's
+# FlexAttention compiles once per distinct shape (tens of seconds each), so it runs on the target
 # lengths and the vocabulary sweep only, which keeps a full CUDA run to a few minutes.
-FLEX_SHAPES = [s for s in LENGTH_SWEEP if s.L in DESIGN_LENGTHS] + VOCAB_SWEEP
+FLEX_SHAPES = [s for s in LENGTH_SWEEP if s.L in TARGET_LENGTHS] + VOCAB_SWEEP
 
 # Smoke set: a power-of-two tile, a ragged length with a large vocabulary and n = 3, and a batch of
 # two short rows; each costs the Triton interpreter at most a few programs x tiles.
@@ -116,7 +116,7 @@ else:
     CROSSOVER_SHAPES = [Shape(B=2, L=L, D=32, vocab=81, n=2) for L in (32, 96)]
 
 # Tiled vs sort on the GPU around the estimated TILED_MAX_LENGTH (512 in fp32, 1024 in half precision), at
-# DESIGN.md's width and at N-Gram AD's training shape (batch 32, d_model 64, n = 1 and 2); smoke: two tiny
+# The target width and at N-Gram AD's training shape (batch 32, d_model 64, n = 1 and 2); smoke: two tiny
 # lengths for the interpreter.
 TILED_CROSSOVER_SHAPES = select_shapes(
     [Shape(B=8, L=L, D=512, vocab=81, n=2) for L in (256, 512, 1024, 2048, 4096)]
@@ -208,7 +208,7 @@ def skip_unless_ngram_runnable(shape: Shape, backend: str, device: torch.device)
             # FlexAttention has no CPU backward in this torch ("does not support backward on CPU").
             pytest.skip("FlexAttention fwd+bwd needs CUDA")
         if shape not in FLEX_SHAPES:
-            pytest.skip("FlexAttention runs on DESIGN.md's lengths and the vocabulary sweep only")
+            pytest.skip("FlexAttention runs on the target lengths and the vocabulary sweep only")
 
 
 def ngram_fn(backend: str, ids: torch.Tensor, n: int, dim: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Smeared keys, forward + backward (DESIGN.md sections 2.5 and 5).
+"""Smeared keys, forward + backward (docs/ops.md, docs/performance.md#targets).
 
 Every benchmark times ``k' = smeared_keys(k, alpha)`` and the gradient w.r.t. ``k [B, H, L, Dh]``
 for one shape and one implementation:
@@ -46,7 +46,7 @@ def shape_id(shape: Shape) -> str:
     return f"B{shape.B}-H{shape.H}-L{shape.L}-Dh{shape.Dh}-{shape.dtype}"
 
 
-# Full set (CUDA, or ICRL_BENCH_FULL=1): the MoA attention row of DESIGN.md's table (B = 8..64,
+# Full set (CUDA, or ICRL_BENCH_FULL=1): the MoA attention row of docs/performance.md#targets (B = 8..64,
 # H = 12, Dh = 64, L = 60..4096), the widths of the lecture's small models, and bf16 for training.
 FULL_SHAPES = [
     *(Shape(B=8, H=12, L=L, Dh=64, dtype="float32") for L in (60, 256, 1024, 4096)),

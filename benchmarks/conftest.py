@@ -1,6 +1,6 @@
 """Shared helpers for the op benchmarks (one ``bench_<op>.py`` per op).
 
-Shape sets: every benchmark file declares a full set (the shapes DESIGN.md section 5 asks for) and a
+Shape sets: every benchmark file declares a full set (the shapes of docs/performance.md#targets) and a
 tiny smoke set. The full set runs on CUDA, or anywhere when ``ICRL_BENCH_FULL=1``; otherwise the
 smoke set runs, small enough that ``TRITON_INTERPRET=1 pytest benchmarks --benchmark-disable`` runs
 every benchmark once in seconds on a laptop CPU (the Triton interpreter takes about half a second
@@ -41,7 +41,7 @@ MAX_ROUNDS = 200
 
 
 def full_run() -> bool:
-    """True when the full DESIGN.md shape sets should run: on CUDA, or when ``ICRL_BENCH_FULL=1``."""
+    """True when the full target shape sets should run: on CUDA, or when ``ICRL_BENCH_FULL=1``."""
     return torch.cuda.is_available() or os.environ.get("ICRL_BENCH_FULL", "0") == "1"
 
 

@@ -20,7 +20,7 @@ Stages (in order; ``--stages all`` runs them all):
            memcheck on a few edge-case tests of every kernel
 ``configs`` every autotune config of every kernel forced once against the reference
            (``tests/test_autotune_configs.py``)
-``headline`` one benchmark case per DESIGN target (``pytest -m headline``) and its summary table
+``headline`` one benchmark case per target (docs/performance.md) (``pytest -m headline``) and its summary table
 ``full-*`` the remaining benchmarks (``-m "not headline"``), one slice per op so each fits a command
 ========== ==============================================================================================
 

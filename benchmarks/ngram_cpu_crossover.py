@@ -8,7 +8,7 @@ number of torch threads, prints a markdown table per shape and thread count, and
 JSON with the value of ``CPU_DENSE_MAX_LENGTH`` it suggests.
 
 Shapes: N-Gram AD's training job (``icrl_models/train.py`` defaults: batch 32, ``d_model`` 64, n-gram
-layers n = 1 and 2, Dark Room's 81 states as ids) and DESIGN.md's benchmark width (B = 8, D = 512,
+layers n = 1 and 2, Dark Room's 81 states as ids) and the target benchmark width (B = 8, D = 512,
 n = 2, vocabulary 81); fp32; L = 64 .. 4096.
 
 Run it on an otherwise idle machine (timings of a shared one are meaningless)::

@@ -2,7 +2,7 @@
 
 For each headline shape it prints the minimal bytes and FLOPs (``icrl_kernels/<op>/cost.py``), the
 roofline bound ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` and the target time (1.5x the
-bound, DESIGN section 5). The device rates are **assumptions**, not measurements: an H100 SXM's copy
+bound, docs/performance.md#targets). The device rates are **assumptions**, not measurements: an H100 SXM's copy
 bandwidth of about 3.0 TB/s (of 3.35 TB/s nominal HBM3), a dense bf16/fp16 matmul peak of about
 700 TFLOP/s (of 989 nominal) and an fp32 (IEEE, non-TF32) peak of about 60 TFLOP/s (of 67 nominal).
 The ``env`` stage of ``benchmarks/gpu_check.py`` measures the real ones; the benchmark summary then
@@ -28,7 +28,7 @@ from icrl_kernels.smeared.cost import fwd_bwd_cost as smeared_cost
 #: Assumed H100 SXM rates (see the module docstring): bytes/s and FLOP/s.
 COPY_BANDWIDTH = 3.0e12
 MATMUL_PEAK = {"bfloat16": 700e12, "float16": 700e12, "float32": 60e12}
-#: Measured time must be within this factor of the roofline bound (DESIGN section 5).
+#: Measured time must be within this factor of the roofline bound (docs/performance.md#targets).
 ROOFLINE_TARGET = 1.5
 
 

@@ -139,7 +139,7 @@ def _field_at_least(name: str, value: float) -> Callable[[dict], bool]:
     return lambda fields: fields.get(name, 0) >= value
 
 
-# The targets of DESIGN.md section 5 and the GPU bring-up issue, per op. Speedups are t_peer / t_ours.
+# The targets of docs/performance.md#targets and the GPU bring-up issue, per op. Speedups are t_peer / t_ours.
 # On the CPU our implementation is the eager one that backend="auto" runs there (the Triton kernels
 # only run under the interpreter); where a CPU run measured only the kernel, that is ours.
 _KERNEL_OURS = {"cuda": ("triton",), "cpu": ("eager", "triton")}
@@ -339,7 +339,7 @@ def _shape_text(row: Row) -> str:
 
 
 def judged(row: Row) -> bool:
-    """Targets are GPU targets (DESIGN.md section 5): CPU rows (smoke runs, rehearsals) get ratios only."""
+    """Targets are GPU targets (docs/performance.md#targets): CPU rows (smoke runs, rehearsals) get ratios only."""
     return row.device_type == "cuda"
 
 

@@ -15,7 +15,7 @@ import torch
 from . import _library
 from ._backend import triton_available, triton_interpreter_enabled
 
-#: Relative-RMS tolerance by input dtype (DESIGN.md section 6).
+#: Relative-RMS tolerance by input dtype (docs/testing.md#parity-with-the-reference).
 RMS_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 

@@ -2,7 +2,7 @@
 
 Every generator is an :class:`Agent` (act, then learn from the transition) run by
 :func:`collect_histories`, which records what the agent saw and did into :class:`LearningHistories`.
-Settings follow DESIGN.md 3:
+Settings follow docs/models.md#learning-histories:
 
 =========================== ================================================================= ================
 generator                   what it is                                                        environments
@@ -175,7 +175,7 @@ class LinUCB(Agent):
     with the highest ``theta_a . s + alpha * sqrt(s^T A_a^-1 s)``.
 
     Args:
-        alpha: exploration bonus scale (0.3, DESIGN.md 3).
+        alpha: exploration bonus scale (0.3, docs/models.md#learning-histories).
         ridge: prior precision, ``A_a = ridge * I`` before any data.
     """
 

@@ -1,4 +1,4 @@
-"""Contrastive action scoring (Headless-AD, DESIGN.md 2.2): fused InfoNCE, action selection, action maps.
+"""Contrastive action scoring (Headless-AD, docs/ops.md#contrastive-action-scoring): fused InfoNCE, action selection, action maps.
 
 Every parity test draws fresh random inputs and compares the loss and BOTH gradients (``pred`` and
 ``action_embeds``) of the eager and Triton paths with ``infonce_loss_reference`` (the fp32 spec).
@@ -1325,7 +1325,7 @@ import itertools
 from icrl_kernels.contrastive import kernels as k
 from icrl_kernels.testing import compile_offline, config_jobs
 
-# benchmarks/bench_infonce.py (DESIGN.md section 5): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
+# benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
 # 1024, one shared map of A = 125 actions (one tile; not a multiple of 16, which changes the
 # specialisation) or A = 4096 (streamed). Every autotune config in bf16 (tensor-core dots; fp16 takes the
 # same path) and fp32 (FMA dots), without a mask as benchmarked and with a [B, T, A] mask padded to a

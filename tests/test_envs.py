@@ -1,4 +1,4 @@
-"""Environments of :mod:`icrl_models.envs` (DESIGN.md section 3), checked against independent references.
+"""Environments of :mod:`icrl_models.envs` (docs/models.md#environments), checked against independent references.
 
 Every expected value comes from plain-Python simulators, brute-force dynamic programming / BFS and
 hand-worked examples written here, never from the library's own helpers.

@@ -1,4 +1,4 @@
-"""Learning-history generators (DESIGN.md 3): the source algorithms learn, and collect_histories records
+"""Learning-history generators (docs/models.md#learning-histories): the source algorithms learn, and collect_histories records
 exactly what they saw and did."""
 
 from __future__ import annotations

@@ -428,7 +428,7 @@ _OFFLINE_COMPILE = """
 from icrl_kernels.moa import kernels
 from icrl_kernels.testing import CompileJob, compile_offline
 
-# benchmarks/bench_moa.py (DESIGN.md section 5): B = 8, H = 12, Dh = 64, L = 1024; head_out is SDPA's
+# benchmarks/bench_moa.py (docs/performance.md#targets): B = 8, H = 12, Dh = 64, L = 1024; head_out is SDPA's
 # [B, H, L, Dh] output seen through transpose(1, 2), gate logits and grad_out contiguous, grad_head in
 # head_out's memory order. Block sizes from the wrapper's heuristic (no autotuning).
 B, H, Dh, L = 8, 12, 64, 1024

@@ -260,7 +260,7 @@ _OFFLINE_COMPILE = """
 from icrl_kernels.smeared import kernels
 from icrl_kernels.testing import CompileJob, compile_offline
 
-# benchmarks/bench_smeared_keys.py (DESIGN.md section 5, L = 1024): H = 12, Dh = 64 in bf16 (keys as the
+# benchmarks/bench_smeared_keys.py (docs/performance.md#targets, L = 1024): H = 12, Dh = 64 in bf16 (keys as the
 # [B, L, H, Dh] projection seen through transpose(1, 2), as the module passes them) and fp32 (contiguous
 # [B, H, L, Dh]), H = 8, Dh = 128 in bf16; and H = 8, Dh = 32 in fp32, a third tile shape. Block sizes from
 # the wrapper's heuristic (no autotuning).

@@ -1,6 +1,6 @@
 """Readable fp32 references of contrastive action scoring (Headless-AD); they are the spec.
 
-Conventions (DESIGN.md 2.2):
+Conventions (docs/ops.md#contrastive-action-scoring):
 
 * ``logits[..., a] = pred[...] . action_embeds[a] / tau``: the temperature divides the dot product
   before the exponential, as in the official code.

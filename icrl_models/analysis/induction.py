@@ -1,6 +1,6 @@
 """Induction-head analysis: attention-pattern capture, per-head scores, OV copying, ICL score, ablation.
 
-Conventions follow TransformerLens so that numbers are comparable (DESIGN.md section 2.6):
+Conventions follow TransformerLens so that numbers are comparable (docs/models.md#analysis-metrics):
 
 * **Repeated random tokens.** A random sequence of ``seq_len`` tokens repeated (``[t_0..t_{T-1},
   t_0..t_{T-1}]``, no BOS). Per head, the *previous-token* score is the mean attention on offset 1

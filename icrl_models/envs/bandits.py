@@ -43,7 +43,7 @@ def bernoulli_arm_means(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Sample Bernoulli bandit tasks; returns ``(means [N, max_arms] float64, num_arms [N] int64)``.
 
-    Distributions (DESIGN.md 3): ``train``: in 95% of bandits the odd arms have means U[0.5, 1] and the
+    Distributions (docs/models.md#environments): ``train``: in 95% of bandits the odd arms have means U[0.5, 1] and the
     even arms U[0, 0.5], in 5% the reverse; ``mirrored``: always the reverse (the high means on the even
     arms); ``uniform``: every mean U[0, 1]. ``num_arms`` is a fixed count or an inclusive range.
     Padding means (past an environment's arm count) are 0.
