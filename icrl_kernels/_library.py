@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch._library.custom_ops import CustomOpDef
 
-from ._backend import triton_interpreter_enabled
+from ._backend import triton_available, triton_interpreter_enabled
 
 NAMESPACE = "icrl"
 
@@ -89,12 +89,18 @@ def set_fast_dispatch(enabled: bool) -> bool:
 def uses_triton_op(traceable: bool = True) -> bool:
     """Whether an op declared ``traceable`` is registered with ``torch.library.triton_op`` in this process.
 
-    Needs torch >= 2.6, Triton compiled rather than interpreted (``TRITON_INTERPRET=1`` runs kernels
+    Needs torch >= 2.6, Triton installed and compiled rather than interpreted (``TRITON_INTERPRET=1`` runs kernels
     eagerly on the host, which fails on the fake tensors a trace uses), and ``ICRL_TRITON_OP`` not ``0``.
     Decided when the op is registered, i.e. at import.
     """
     enabled = os.environ.get("ICRL_TRITON_OP", "1").strip().lower() not in ("0", "false", "no", "off")
-    return traceable and enabled and _TRITON_OP is not None and not triton_interpreter_enabled()
+    return (
+        traceable
+        and enabled
+        and _TRITON_OP is not None
+        and triton_available()  # without Triton, triton_op only warns at import and adds nothing
+        and not triton_interpreter_enabled()
+    )
 
 
 def _plain_eager_call(args: tuple) -> bool:

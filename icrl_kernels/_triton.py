@@ -7,7 +7,14 @@ import pkgutil
 from collections.abc import Sequence
 
 import torch
-import triton
+
+try:
+    import triton
+except ImportError as error:  # the eager paths need no Triton; only the kernel modules import this one
+    raise ImportError(
+        "icrl_kernels' Triton kernels need the triton package: pip install 'icrl-kernels[triton]' (CUDA builds "
+        "of torch bring their own); backend='eager' (what CPU tensors use by default) works without it"
+    ) from error
 
 from ._backend import triton_interpreter_enabled
 

@@ -14,12 +14,19 @@ Each registered id wraps one environment of the batched implementation, so both 
 terminated, truncated, info)``. Actions are indices into the environment's own action list: for
 composite Darkroom ``info["action_ids"]`` at reset maps them to global ids.
 
-Registration: the ids are registered with gymnasium when :mod:`icrl_models.envs` is imported and
-gymnasium is installed. The package also declares a ``gymnasium.envs`` entry point
-(:func:`register_gymnasium_envs`), which gymnasium 0.26-0.29 runs on ``import gymnasium``, so there a
-plain ``gymnasium.make("icrl/DarkRoom-v0")`` works from a fresh interpreter. Gymnasium 1.0 removed
-that plugin mechanism: there, name the module in the id, ``gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0",
-goal=10)`` (gymnasium imports it first), or ``import icrl_models.envs`` before ``gymnasium.make``.
+Registration: a plain ``gymnasium.make("icrl/DarkRoom-v0")`` works from a fresh interpreter, with no icrl
+import, after ``pip install icrl-kernels[gym]`` (regular or editable):
+
+* gymnasium >= 1.0 removed third-party plugins; there the ``icrl_gymnasium.pth`` file that ``setup.py`` adds
+  to the wheel installs a start-up import hook (:mod:`icrl_models.envs._gymnasium_hook`) that registers the ids
+  with string entry points right after gymnasium's registry module loads. It imports nothing at start-up
+  (about half a millisecond to compile); this module is imported only when an environment is made.
+* gymnasium 0.26-0.29 also runs the package's ``gymnasium.envs`` entry point (:func:`register_gymnasium_envs`)
+  on ``import gymnasium``.
+* Importing :mod:`icrl_models.envs` registers them too (idempotent), which covers ``python -S``, a ``--target``
+  install or a source checkout on ``PYTHONPATH`` (no ``.pth`` file processed); so does naming the module in the
+  id, ``gymnasium.make("icrl_models.envs:icrl/DarkRoom-v0", goal=10)``.
+
 Without gymnasium the classes still work, without ``action_space`` / ``observation_space``.
 """
 
