@@ -1,4 +1,5 @@
-"""AD / N-Gram AD / Headless-AD: training steps and in-context evaluation steps per second (docs/performance.md#targets).
+"""AD / N-Gram AD / Headless-AD: training steps and in-context evaluation steps per second
+(docs/performance.md#targets).
 
 * ``test_train_step``: one optimiser step (forward, backward, AdamW) on a batch of windows, for AD and
   N-Gram AD, with the library's kernels (``backend="auto"``) and with ``backend="reference"`` (the

@@ -1,4 +1,5 @@
-"""Contrastive action scoring (Headless-AD): InfoNCE forward + backward and action selection (docs/ops.md, docs/performance.md#targets).
+"""Contrastive action scoring (Headless-AD): InfoNCE forward + backward and action selection
+(docs/ops.md, docs/performance.md#targets).
 
 ``test_infonce_fwd_bwd`` times ``loss = InfoNCE(pred @ E^T / tau, targets)`` and its gradients for one
 shape ``(N, D, A)`` (rows, width, actions; one action map shared by all rows) and one implementation:

@@ -54,7 +54,8 @@ def shape_id(shape: Shape) -> str:
     return f"B{shape.B}-L{shape.L}-H{shape.H}-Dh{shape.Dh}-{shape.dtype}"
 
 
-# Full set (CUDA, or ICRL_BENCH_FULL=1): the MoA row of docs/performance.md#targets, B = 8..64, H = 12, Dh = 64, L = 60..4096.
+# Full set (CUDA, or ICRL_BENCH_FULL=1): the MoA row of docs/performance.md#targets,
+# B = 8..64, H = 12, Dh = 64, L = 60..4096.
 # L = 60 is the DT's context (20 steps x 3 tokens); bf16 is how training runs on GPU (autocast).
 FULL_SHAPES = [
     *(Shape(B=8, L=L, H=12, Dh=64, dtype="float32") for L in (60, 256, 1024, 4096)),

@@ -52,7 +52,8 @@ def check_ngram(algorithm: str, device: str, dtype: torch.dtype) -> None:
     tiny = device == "cpu"
     if tiny:  # sort tiles of 32..128 positions: one to two tiles, one column block
         batch, length, dim, vocab = 1, 40, 24, 4
-    else:  # benchmark-sized (docs/performance.md#targets): the sort path at L = 1000, the tiled one at L = 250; D = 200 is ragged for every tile
+    else:  # benchmark-sized (docs/performance.md#targets):
+        # the sort path at L = 1000, the tiled one at L = 250; D = 200 is ragged for every tile
         batch, length, dim, vocab = 2, 1000 if algorithm == "sort" else 250, 200, 16
     gen = _generator(length + dim)
     ids = torch.randint(0, vocab, (batch, length), generator=gen)

@@ -1,4 +1,5 @@
-"""Contrastive action scoring (Headless-AD, docs/ops.md#contrastive-action-scoring): fused InfoNCE, action selection, action maps.
+"""Contrastive action scoring (Headless-AD, docs/ops.md#contrastive-action-scoring):
+fused InfoNCE, action selection, action maps.
 
 Every parity test draws fresh random inputs and compares the loss and BOTH gradients (``pred`` and
 ``action_embeds``) of the eager and Triton paths with ``infonce_loss_reference`` (the fp32 spec).

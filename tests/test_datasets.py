@@ -1,4 +1,5 @@
-"""Learning-history datasets (docs/models.md#learning-histories): storage round trips, atomic writes, corruption and validation
+"""Learning-history datasets (docs/models.md#learning-histories):
+storage round trips, atomic writes, corruption and validation
 errors, episode returns, training windows, generation and the icrl-data command line."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Learning-history generators (docs/models.md#learning-histories): the source algorithms learn, and collect_histories records
+"""Learning-history generators (docs/models.md#learning-histories):
+the source algorithms learn, and collect_histories records
 exactly what they saw and did."""
 
 from __future__ import annotations
