@@ -184,8 +184,13 @@ OPS: dict[str, OpSpec] = {
     ),
     "looped_block_inference": OpSpec(
         "looped block, inference loops",
-        ours={"cuda": ("fused-graph", "fused"), "cpu": ("fused",)},
+        ours={"cuda": ("fused-graph", "fused-graph-c1", "fused"), "cpu": ("fused",)},
         targets=(Target("eager", "speedup", 5, _field_at_least("loops", 500), "500 loops"),),
+    ),
+    "looped_model_train_step": OpSpec(
+        "looped model, whole training step",
+        ours={"cuda": ("graph-step", "compile-ro", "fused"), "cpu": ("fused",)},
+        targets=(Target("eager", "speedup", 3),),
     ),
     "ad_train_step": OpSpec(
         "AD / N-Gram AD / Headless-AD training step",

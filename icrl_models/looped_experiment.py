@@ -41,6 +41,7 @@ from .function_classes import (
     normalized_squared_error,
     sample_prompts,
 )
+from .looped_step import make_graphed_train_step, make_optimizer, prepare_capturable, set_learning_rate, train_step
 from .models.looped import LoopedConfig, LoopedTransformer
 
 PRESETS: dict[str, dict] = {
@@ -98,7 +99,11 @@ class LoopedExperimentConfig:
     threads: int | None = _field("torch CPU threads (default: half the available cores, 1 to 4)")
     device: str = _field("cpu or cuda", "cpu")
     backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
-    cuda_graph: bool = _field("replay the no-grad loops from a CUDA graph (CUDA only)", False)
+    cuda_graph: bool = _field(
+        "CUDA only: capture each training step (loops, backward, Adam step) in one CUDA graph per curriculum "
+        "stage and replay it; evaluation replays graphs of 50 loops",
+        False,
+    )
     eval_every: int = _field("steps between logged errors at k on 256 fixed prompts", 250)
     checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
     out_dir: str = _field("output folder", "runs/looped")
@@ -151,7 +156,8 @@ def run_identity(config: LoopedExperimentConfig) -> dict:
 def error_at_k(model: LoopedTransformer, xs: torch.Tensor, ys: torch.Tensor, loops: int, variance: float) -> float:
     """Normalised squared error of the last prediction (all other points as examples) after ``loops`` loops."""
     model.eval()
-    preds = model(xs, ys, loops=loops)[-1].float()
+    # grad_loops=1: the first loops - 1 run as no-grad loops (graph-replayed with cuda_graph), one is kept.
+    preds = model(xs, ys, loops=loops, grad_loops=1)[-1].float()
     model.train()
     return float(((preds[:, -1] - ys[:, -1].float()) ** 2).mean() / variance)
 
@@ -169,13 +175,15 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = LoopedTransformer(config.model_config(looped)).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+    graphed = config.cuda_graph and device.type == "cuda"
+    optimizer = make_optimizer(model.parameters(), config.learning_rate, capturable=graphed)
     generator = torch.Generator().manual_seed(config.seed + 1)
     function_class = config.function_class()
     variance = function_class.label_variance(config.n_dims)
     monitor = sample_prompts(
         function_class, 256, config.n_points, generator=torch.Generator().manual_seed(config.seed + 2), device=device
     )
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     name = "looped" if looped else "unlooped"
     history = {"loss": [], "eval_steps": [], "eval_error_at_k": [], "wall_s": 0.0}
@@ -185,28 +193,46 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
         payload = load_checkpoint(path, expect_config=identity)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
+        if graphed:
+            prepare_capturable(optimizer)  # load_state_dict restores the saved flags, lr and step devices
         generator.set_state(payload["rng"]["prompts"])
         history, first_step = payload["history"], payload["step"]
     start = time.perf_counter() - history["wall_s"]
     label = name if looped else f"unlooped-{config.unlooped_layers}L"
     progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
+    # Losses stay on the device until the next log point (one host read per eval_every steps, not per step).
+    pending: list[tuple[torch.Tensor, float]] = []
+    graph, graph_key = None, None
     for step in progress:
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
+        set_learning_rate(optimizer, config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps)))
         active_dims = config.dims_schedule().value(step)
         xs, ys = sample_prompts(
             function_class, config.batch_size, config.points_schedule().value(step),
             active_dims=active_dims, generator=generator, device=device,
         )  # fmt: skip
         loops = config.loops_schedule().value(step) if looped else 1
-        with autocast:
-            loss = model.loss(xs, ys, loops=loops, grad_loops=min(config.grad_loops, loops) if looped else 1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        grad_loops = min(config.grad_loops, loops) if looped else 1
+        if graphed:
+            key = (tuple(xs.shape), loops, grad_loops)
+            if key != graph_key:  # a new curriculum stage: a new graph (the old one's memory freed first)
+                graph = None
+                graph = make_graphed_train_step(
+                    model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
+                )
+                graph_key = key
+            loss = graph(xs, ys)
+        else:
+            loss = train_step(
+                model, optimizer, xs, ys, loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
+            )
         # Loss normalised by the label variance, so curriculum stages are comparable.
-        history["loss"].append(loss.item() / function_class.label_variance(active_dims))
+        pending.append((loss, function_class.label_variance(active_dims)))
         done = step + 1
+        log_now = done % config.eval_every == 0 or done % config.checkpoint_every == 0 or done == config.steps
+        if log_now:
+            values = torch.stack([value for value, _ in pending]).tolist()
+            history["loss"].extend(value / var for value, (_, var) in zip(values, pending))
+            pending.clear()
         if done % config.eval_every == 0 or done == config.steps:
             with autocast:
                 history["eval_error_at_k"].append(error_at_k(model, *monitor, loops, variance))

@@ -39,8 +39,14 @@ class LoopedBlock(nn.Module):
         max_positions: rows of the learned position embedding (the longest prompt ``L``).
         n_layers: distinct blocks inside the loop body (the paper's ``L``; 1 for the looped model).
         dropout: dropout inside the blocks (must be 0 to use CUDA graphs while training).
-        cuda_graph: on CUDA, replay the no-grad loops from a captured CUDA graph of one loop step, so a
-            loop costs one graph launch instead of Python and one launch per kernel. Ignored on CPU.
+        cuda_graph: on CUDA, replay the no-grad loops (``forward``'s first ``b - T``, ``run_without_grad``
+            and ``iterates``) from captured CUDA graphs of ``graph_chunk`` loops each, so ``graph_chunk``
+            loops cost one graph launch instead of Python and one launch per kernel. Ignored on CPU, while
+            a CUDA graph is being captured (the loops are then part of the caller's graph) and under
+            ``torch.compile``.
+        graph_chunk: loops per captured graph (``C``): ``n`` loops replay the ``C``-loop graph ``n // C``
+            times and one graph of ``n % C`` loops (captured at its first use), with no host sync in
+            between. Larger ``C`` means fewer launches; the graph's memory is one loop's activations.
         backend: backend of the fused injection op (``"auto"``, ``"triton"``, ``"eager"``, ``"reference"``).
 
     Shapes:
@@ -57,6 +63,7 @@ class LoopedBlock(nn.Module):
         n_layers: int = 1,
         dropout: float = 0.0,
         cuda_graph: bool = False,
+        graph_chunk: int = 50,
         backend: str = "auto",
     ) -> None:
         super().__init__()
@@ -66,10 +73,11 @@ class LoopedBlock(nn.Module):
         check_probability(dropout, "dropout")
         self.backend = check_choice(backend, "backend", BACKENDS)
         self.cuda_graph = check_bool(cuda_graph, "cuda_graph")
+        self.graph_chunk = check_int(graph_chunk, "graph_chunk", min_value=1)
         self.wpe = nn.Embedding(max_positions, d_model)
         self.blocks = nn.ModuleList(GPT2Block(d_model, n_heads, dropout=dropout) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
-        self._graphs: dict[tuple, _GraphedLoopStep] = {}
+        self._graphs: dict[tuple, _GraphedLoops] = {}
 
     def _check_prompt(self, prompt: torch.Tensor) -> None:
         """``prompt [B, L, D]``: a float tensor, ``D = d_model``, ``L <= max_positions``, the parameters' dtype."""
@@ -143,6 +151,10 @@ class LoopedBlock(nn.Module):
         return self._iterates(prompt, loops, read_out)
 
     def _iterates(self, prompt: torch.Tensor, loops: int, read_out: nn.Module | None):
+        if self._use_graphs(prompt):
+            for chunk in self._graphed(prompt).iterate_chunks(prompt, loops, read_out):
+                yield from chunk.unbind(0)
+            return
         y = None
         with torch.no_grad():
             for _ in range(loops):
@@ -157,7 +169,7 @@ class LoopedBlock(nn.Module):
     def _run_without_grad(self, prompt: torch.Tensor, loops: int) -> torch.Tensor | None:
         if loops == 0:
             return None
-        if self.cuda_graph and prompt.is_cuda:
+        if self._use_graphs(prompt):
             return self._graphed(prompt).run(prompt, loops)
         y = None
         with torch.no_grad():
@@ -165,13 +177,23 @@ class LoopedBlock(nn.Module):
                 y = self._step(y, prompt)
         return y
 
-    def _graphed(self, prompt: torch.Tensor) -> _GraphedLoopStep:
+    def _use_graphs(self, prompt: torch.Tensor) -> bool:
+        # Inside a capture (a whole training step being graphed) the loops are recorded into the caller's
+        # graph, and torch.compile makes its own graphs: a nested capture of ours would fail in both.
+        return (
+            self.cuda_graph
+            and prompt.is_cuda
+            and not torch.compiler.is_compiling()
+            and not torch.cuda.is_current_stream_capturing()
+        )
+
+    def _graphed(self, prompt: torch.Tensor) -> _GraphedLoops:
         autocast = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         key = (tuple(prompt.shape), prompt.dtype, prompt.device, autocast, self.training)
         if self.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.modules()):
             raise ValueError("cuda_graph=True needs dropout=0 while training (a graph would replay one mask)")
         if key not in self._graphs:
-            self._graphs[key] = _GraphedLoopStep(self, prompt)
+            self._graphs[key] = _GraphedLoops(self, prompt, self.graph_chunk)
         return self._graphs[key]
 
 
@@ -180,29 +202,106 @@ def _check_read_out(read_out: object) -> None:
         raise TypeError(f"read_out must be a module or callable, got {type(read_out).__name__}")
 
 
-class _GraphedLoopStep:
-    """A CUDA graph of one no-grad loop step that updates a static iterate in place.
+class _GraphedLoops:
+    """CUDA graphs of ``n`` no-grad loop steps (``n = chunk`` and the remainders) on a static iterate.
 
-    Replaying it ``n`` times advances ``Y`` by ``n`` loops with one launch per loop. Parameters are read
-    from their storage at replay time, so optimiser steps (in place) are seen without recapture.
+    ``run(prompt, loops)`` replays the ``chunk``-loop graph ``loops // chunk`` times and the
+    ``loops % chunk``-loop graph once: ``ceil(loops / chunk)`` launches and no host sync. Each graph
+    updates ``self.y`` in place, so its memory is one loop's activations whatever ``n``. Parameters are
+    read from their storage at replay time, so in-place optimiser steps are seen without recapture.
+
+    Autocast: warm-up and capture run with the caller's autocast dtype but ``cache_enabled=False``: a cast
+    weight cached before the capture would be read by the graph from memory that autocast frees when its
+    region ends; without the cache the casts are recorded in the graph and redone on every replay.
     """
 
-    def __init__(self, block: LoopedBlock, prompt: torch.Tensor) -> None:
+    def __init__(self, block: LoopedBlock, prompt: torch.Tensor, chunk: int) -> None:
+        self.block, self.chunk = block, chunk
         self.prompt = prompt.detach().clone()
         self.y = torch.zeros_like(self.prompt)
-        side = torch.cuda.Stream(device=prompt.device)
-        side.wait_stream(torch.cuda.current_stream(prompt.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):  # warm-up outside capture: Triton compilation, cuBLAS workspaces
-                self.y.copy_(block._step(self.y, self.prompt))
-        torch.cuda.current_stream(prompt.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.y.copy_(block._step(self.y, self.prompt))
+        self.run_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # (read_out, n) -> (graph, static [n, ...] outputs); only the latest read_out's graphs are kept.
+        self.iterate_graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._warm_up()
 
-    def run(self, prompt: torch.Tensor, loops: int) -> torch.Tensor:
+    def _warm_up(self, read_out=None) -> None:
+        # Outside capture, on a side stream (PyTorch's recipe): Triton compilation and autotuning, cuBLAS
+        # workspaces, lazy initialisation. Writes only self.y, which every run resets.
+        device = self.prompt.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad(), self._autocast():
+            for _ in range(2):
+                self.y.copy_(self.block._step(self.y, self.prompt))
+                if read_out is not None:
+                    read_out(self.y)
+        torch.cuda.current_stream(device).wait_stream(side)
+
+    def _autocast(self):
+        device = self.prompt.device.type
+        return torch.autocast(
+            device,
+            dtype=torch.get_autocast_dtype(device),
+            enabled=torch.is_autocast_enabled(device),
+            cache_enabled=False,
+        )
+
+    def _capture(self, n: int, read_out=None, keep: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | None]:
+        """A graph of ``n`` loops; with ``keep``, each loop's ``read_out(Y)`` (or ``Y``) is copied into a
+        static ``[n, ...]`` buffer as soon as it is computed (a read-out may return a view of ``Y``,
+        which the next loop overwrites)."""
+        graph = torch.cuda.CUDAGraph()
+        outputs = None
+        with torch.cuda.graph(graph), torch.no_grad(), self._autocast():
+            for i in range(n):
+                self.y.copy_(self.block._step(self.y, self.prompt))
+                if keep:
+                    out = self.y if read_out is None else read_out(self.y)
+                    if outputs is None:  # allocated inside the capture: a static buffer in the graph's pool
+                        outputs = out.new_empty((n, *out.shape))
+                    outputs[i].copy_(out)
+        return graph, outputs
+
+    def _run_graph(self, n: int) -> torch.cuda.CUDAGraph:
+        if n not in self.run_graphs:
+            self.run_graphs[n] = self._capture(n)[0]
+        return self.run_graphs[n]
+
+    def _start(self, prompt: torch.Tensor) -> None:
         self.prompt.copy_(prompt.detach())
         self.y.zero_()  # Y_0 = 0: the first step then equals step(None, prompt)
-        for _ in range(loops):
-            self.graph.replay()
+
+    def run(self, prompt: torch.Tensor, loops: int) -> torch.Tensor:
+        """``Y_loops`` (a fresh tensor) after ``loops >= 1`` loops from ``Y_0 = 0``."""
+        full, rest = divmod(loops, self.chunk)
+        # Capture first (a capture synchronises the device), then only replays.
+        graphs = [self._run_graph(self.chunk)] * full + ([self._run_graph(rest)] if rest else [])
+        self._start(prompt)
+        for graph in graphs:
+            graph.replay()
         return self.y.clone()
+
+    def iterate_chunks(self, prompt: torch.Tensor, loops: int, read_out=None):
+        """Yield ``[n, B, L, D]`` (or ``[n, *read_out shape]``): the iterates of each chunk of ``n`` loops.
+
+        One replay per chunk; the chunk's outputs are cloned out of the graph's static buffer. The
+        generator keeps its own iterate and prompt (copied into the static ones before each replay), so
+        other runs on this object between two chunks do not disturb it."""
+        if any(key[0] is not read_out and key[0] != read_out for key in self.iterate_graphs):
+            self.iterate_graphs.clear()  # a different read-out: drop the old graphs (and their memory)
+        full, rest = divmod(loops, self.chunk)
+        sizes = [self.chunk] * full + ([rest] if rest else [])
+        if read_out is not None and not self.iterate_graphs:
+            self._warm_up(read_out)
+        for n in sorted(set(sizes)):
+            if (read_out, n) not in self.iterate_graphs:
+                self.iterate_graphs[(read_out, n)] = self._capture(n, read_out, keep=True)
+        graphs = {n: self.iterate_graphs[(read_out, n)] for n in set(sizes)}  # kept if another read-out clears
+        prompt, y = prompt.detach().clone(), torch.zeros_like(self.y)
+        for n in sizes:
+            graph, outputs = graphs[n]
+            self.prompt.copy_(prompt)
+            self.y.copy_(y)
+            graph.replay()
+            y.copy_(self.y)
+            yield outputs.clone()
