@@ -11,16 +11,19 @@ weights as ``[in, out]``, the transpose of ``nn.Linear``'s, so those are transpo
 
 * ``wpe.weight [n_positions, D]`` -> ``wpe.weight`` (its first rows when the model has fewer positions);
 * ``h.{i}.ln_1``, ``h.{i}.ln_2``, ``ln_f`` (weight, bias) -> ``blocks.{i}.ln_1``, ``blocks.{i}.ln_2``, ``ln_f``;
-* ``h.{i}.attn.c_attn [D, 3D]`` (``[q | k | v]``, heads contiguous) -> ``blocks.{i}.attn.qkv``, transposed;
+* ``h.{i}.attn.c_attn [D, 3D]`` (``[q | k | v]``, heads contiguous) -> the first ``3D`` rows of
+  ``blocks.{i}.attn.qkv`` (weight transposed, and bias): a gated layer's ``qkv`` has ``H`` more rows,
+  the MoA gate, after them;
 * ``h.{i}.attn.c_proj [D, D]`` -> ``blocks.{i}.attn.out_proj``, transposed;
 * ``h.{i}.mlp.c_fc [D, 4D]`` and ``h.{i}.mlp.c_proj [4D, D]`` -> ``blocks.{i}.mlp.c_fc`` / ``c_proj``, transposed.
 
 Ignored: ``wte`` and ``lm_head`` (a Decision Transformer embeds returns, states and actions itself)
 and the attention-mask buffers ``h.{i}.attn.bias`` / ``h.{i}.attn.masked_bias``. A checkpoint with
 more layers than the model gives its first ``n_layer`` layers (as LaMo does); a different width or
-head count raises ``ValueError``. The MoA gates (``attn.gate_proj``) are not part of GPT-2: they keep
-their initialisation. The model only needs the attributes ``wpe``, ``blocks[i].{ln_1, attn.qkv,
-attn.out_proj, ln_2, mlp.c_fc, mlp.c_proj}``, ``ln_f`` and ``config.{n_layer, n_head, n_embd}``.
+head count raises ``ValueError``. The MoA gates (rows ``3D:`` of a gated layer's ``attn.qkv``) are
+not part of GPT-2: they keep their initialisation, and saving writes only the first ``3D`` rows.
+The model only needs the attributes ``wpe``, ``blocks[i].{ln_1, attn.qkv, attn.out_proj, ln_2,
+mlp.c_fc, mlp.c_proj}``, ``ln_f`` and ``config.{n_layer, n_head, n_embd}``.
 """
 
 from __future__ import annotations
@@ -139,6 +142,17 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
     return module
 
 
+#: Model attributes of which GPT-2 holds only the first rows: a gated MoA layer's fused projection is
+#: ``[q | k | v | gate]`` and GPT-2's ``c_attn`` is ``[q | k | v]`` (value: rows in units of ``n_embd``).
+_GPT2_ROWS = {"attn.qkv.weight": 3, "attn.qkv.bias": 3}
+
+
+def _gpt2_part(tensor: torch.Tensor, attribute: str, n_embd: int) -> torch.Tensor:
+    """The rows of a model tensor that GPT-2 has (a view, so copying into it fills the model's)."""
+    rows = _GPT2_ROWS.get(re.sub(r"^blocks\.\d+\.", "", attribute))
+    return tensor if rows is None else tensor[: rows * n_embd]
+
+
 def _model_geometry(model: nn.Module) -> tuple[int, int, int]:
     config = model.config
     return int(config.n_layer), int(config.n_head), int(config.n_embd)
@@ -206,7 +220,7 @@ def load_gpt2_weights(model: nn.Module, directory: str | os.PathLike, *, strict:
         if target is None:
             report.unexpected.append(name)
             continue
-        parameter = _get(model, target)
+        parameter = _gpt2_part(_get(model, target), target, n_embd)
         source = tensor.t() if transpose else tensor
         if target == "wpe.weight" and source.shape[0] >= parameter.shape[0] and source.shape[1:] == parameter.shape[1:]:
             source = source[: parameter.shape[0]]  # the model needs only its first positions
@@ -244,7 +258,7 @@ def _get_optional(model: nn.Module, dotted: str):
 def gpt2_state_dict(model: nn.Module, *, prefix: str = "") -> dict[str, torch.Tensor]:
     """The model's GPT-2 parameters under Hugging Face names and layouts (Conv1D weights ``[in, out]``),
     each a contiguous CPU copy. No ``wte`` (the model has none) and no mask buffers."""
-    n_layer, _, _ = _model_geometry(model)
+    n_layer, _, n_embd = _model_geometry(model)
     state = {}
     for name, target in TOP_PARAMETERS.items():
         state[prefix + name] = _get(model, target).detach().cpu().clone()
@@ -253,7 +267,7 @@ def gpt2_state_dict(model: nn.Module, *, prefix: str = "") -> dict[str, torch.Te
             tensor = _get_optional(model, f"blocks.{i}.{attribute}")
             if tensor is None:
                 continue
-            tensor = tensor.detach().cpu()
+            tensor = _gpt2_part(tensor.detach(), attribute, n_embd).cpu()
             state[f"{prefix}h.{i}.{name}"] = (tensor.t() if transpose else tensor).contiguous().clone()
     return state
 

@@ -65,7 +65,7 @@ def test_select_actions_hand_case():
 
 
 def test_moa_attention_hand_case():
-    # D = 4, H = 2: qkv 3*16 + 12, out_proj 16 + 4, gate_proj 8 + 2 = 90 parameters.
+    # D = 4, H = 2: qkv 3*16 + 12 for q, k, v and 8 + 2 for its gate rows, out_proj 16 + 4 = 90 parameters.
     assert attention_params(4, 2) == 90
     assert attention_pairs(1, 2, 2) == 6  # 2 heads x 3 causal (query, key) pairs
     cost = attention_fwd_bwd_cost(1, 2, 2, 2, dtype=torch.float32)

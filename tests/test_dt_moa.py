@@ -340,8 +340,11 @@ def test_gpt2_round_trip_is_exact(tmp_path, fmt, prefix):
     again = _dt_from(tmp_path / "saved")
     load_gpt2_weights(again, tmp_path / "saved")
     for name, parameter in again.state_dict().items():
-        if name.startswith(("blocks.", "wpe.", "ln_f.")) and "gate_proj" not in name:
-            assert torch.equal(parameter, model.state_dict()[name]), name
+        if name.startswith(("blocks.", "wpe.", "ln_f.")):
+            expected = model.state_dict()[name]
+            if name.endswith(("attn.qkv.weight", "attn.qkv.bias")):  # a gated layer's rows 3D: are its MoA gate
+                parameter, expected = parameter[: 3 * 24], expected[: 3 * 24]
+            assert torch.equal(parameter, expected), name
 
 
 def test_gpt2_conv1d_layout_is_transposed_correctly(tmp_path):

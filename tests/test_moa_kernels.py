@@ -251,7 +251,7 @@ def _moa_by_hand(layer: MoAAttention, x, *, gate_input=None, head_mask=None, all
     """qkv -> explicit causal softmax attention -> per-head gate -> out_proj, written out in fp32."""
     batch, length, d_model = x.shape
     heads, head_dim = layer.n_heads, layer.head_dim
-    q, k, v = layer.qkv(x).view(batch, length, 3, heads, head_dim).unbind(2)
+    q, k, v = layer.qkv(x)[..., : 3 * d_model].view(batch, length, 3, heads, head_dim).unbind(2)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     causal = torch.ones(length, length, dtype=torch.bool).tril()
     if allowed is not None:
@@ -261,7 +261,7 @@ def _moa_by_hand(layer: MoAAttention, x, *, gate_input=None, head_mask=None, all
     if layer.gate is None:
         weights = torch.ones(batch, length, heads)
     else:
-        logits = layer.gate_proj(x if gate_input is None else gate_input)
+        logits = torch.nn.functional.linear(x if gate_input is None else gate_input, layer.gate_weight, layer.gate_bias)
         if layer.gate == "softmax":
             weights = logits.softmax(-1)
         elif layer.gate == "sigmoid":
@@ -292,17 +292,17 @@ def test_module_matches_hand_written_moa(backend, gate):
     expected_grads = torch.autograd.grad(expected.square().sum(), leaves)
     for grad, expected_grad in zip(grads, expected_grads):
         assert_close_rel(grad, expected_grad, rms_tol=1e-5, name="module grad")
-    if gate is not None:  # the gate is trained: its weights and bias receive nonzero gradients
-        names = [name for name, _ in layer.named_parameters()]
-        for name, grad in zip(names, grads[2:]):
-            if name.startswith("gate_proj"):
-                assert grad.abs().sum() > 0, name
+    if gate is not None:  # the gate is trained: its rows of qkv (weight and bias) receive nonzero gradients
+        named = dict(zip([name for name, _ in layer.named_parameters()], grads[2:]))
+        assert named["qkv.weight"][3 * 24 :].abs().sum() > 0
+        assert named["qkv.bias"][3 * 24 :].abs().sum() > 0
 
 
 def test_ungated_module_is_plain_causal_attention():
     torch.manual_seed(14)
     layer = MoAAttention(20, 4, gate=None, bias=False)
-    assert layer.gate_proj is None and not any(name.startswith("gate") for name, _ in layer.named_parameters())
+    assert layer.gate_weight is None and layer.gate_bias is None and layer.qkv.weight.shape == (60, 20)
+    assert not any("gate" in name for name, _ in layer.named_parameters())
     x = torch.randn(3, 9, 20)
     q, k, v = layer.project(x)
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -336,7 +336,7 @@ def test_return_gates():
     out, gates = layer(x, return_gates=True)
     torch.testing.assert_close(gates.sum(-1), torch.ones(2, 5))
     torch.testing.assert_close(out, layer(x))
-    torch.testing.assert_close(gates, gate_weights_reference(layer.gate_proj(x), "softmax"))
+    torch.testing.assert_close(gates, gate_weights_reference(layer.gate_logits(x), "softmax"))
     sigmoid_gates = MoAAttention(16, 4, gate="sigmoid")(x, return_gates=True)[1]
     assert ((sigmoid_gates > 0) & (sigmoid_gates < 1)).all()
     _, ones = MoAAttention(16, 4, gate=None)(x, return_gates=True)

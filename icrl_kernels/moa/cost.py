@@ -11,8 +11,8 @@ from .._cost import OpCost, itemsize
 
 
 def attention_params(D: int, H: int, *, gated: bool = True) -> int:
-    """Parameters of ``MoAAttention(D, H)`` with biases: ``qkv`` ``3D^2 + 3D``, ``out_proj`` ``D^2 + D``,
-    ``gate_proj`` ``D H + H`` when gated."""
+    """Parameters of ``MoAAttention(D, H)`` with biases: ``qkv`` ``3D^2 + 3D`` for q, k, v plus, when
+    gated, its ``H`` gate rows ``D H + H``; ``out_proj`` ``D^2 + D``."""
     return 4 * D * D + 4 * D + (D * H + H if gated else 0)
 
 
@@ -43,11 +43,14 @@ def attention_fwd_bwd_cost(
 
     Only the layer's boundary is counted: ``q, k, v``, the heads and the gate logits are O(B L D)
     intermediates that even FlashAttention stores (and this layer's SDPA call does), so real traffic is
-    a few times larger; at every benchmarked shape the FLOPs term binds by a wide margin anyway.
+    a few times larger; at every benchmarked shape the FLOPs term binds by a wide margin anyway. ``x``
+    is read once forward and once backward because the gate logits come out of the same projection
+    as ``q, k, v`` (``qkv`` has ``3D + H`` rows): with a separate gate Linear, as before, ``x`` and ``dx``
+    were each touched twice (``2 B L D s`` more), which this boundary count never showed.
 
     FLOPs (``g = 1`` if gated, ``pairs`` = :func:`attention_pairs`)::
 
-        projections, forward: 2 B L D (3D + D + g H)   (qkv, out_proj, gate_proj)
+        projections, forward: 2 B L D (3D + g H + D)   (qkv with its gate rows, out_proj)
         projections, backward: (1 + w) x forward        (input gradient [and weight gradient])
         attention core: 4 Dh per pair forward (q k^T and p v), 10 Dh per pair backward (scores
                         recomputed, dv, dp, dq, dk: FlashAttention's count)

@@ -1,9 +1,10 @@
 """GPT-2's pre-LayerNorm transformer block, with optional Mixture-of-Attention gating.
 
-Parameter names follow GPT-2 (``ln_1``, ``attn.qkv`` = ``c_attn``, ``attn.out_proj`` = ``c_proj``,
-``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``), so Hugging Face GPT-2 checkpoints map onto any stack of these
-blocks one to one (:mod:`icrl_models.gpt2_checkpoint`). Used by the Decision Transformer with MoA and
-as the loop body of :class:`~icrl_kernels.modules.looped.LoopedBlock`.
+Parameter names follow GPT-2 (``ln_1``, ``attn.qkv`` = ``c_attn`` (its first ``3D`` rows; a gated
+block's MoA gate rows follow them), ``attn.out_proj`` = ``c_proj``, ``ln_2``, ``mlp.c_fc``,
+``mlp.c_proj``), so Hugging Face GPT-2 checkpoints map onto any stack of these blocks one to one
+(:mod:`icrl_models.gpt2_checkpoint`). Used by the Decision Transformer with MoA and as the loop body
+of :class:`~icrl_kernels.modules.looped.LoopedBlock`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class GPT2Block(nn.Module):
         dropout: GPT-2's attention and residual dropout.
         eps: the LayerNorms' epsilon.
         backend: backend of the gating op.
+        attention: :class:`~icrl_kernels.MoAAttention`'s implementation, ``"sdpa"`` (default) or
+            ``"fused"`` (:func:`icrl_kernels.gated_attention`; needs ``dropout=0`` and no ``head_mask``).
 
     Shapes:
         ``x [B, L, D]`` -> ``[B, L, D]``; with ``return_gates``, also the gate weights ``[B, L, H]``
@@ -66,12 +69,13 @@ class GPT2Block(nn.Module):
         dropout: float = 0.0,
         eps: float = 1e-5,
         backend: str = "auto",
+        attention: str = "sdpa",
     ) -> None:
         super().__init__()
         self.d_model = check_int(d_model, "d_model", min_value=1)  # before nn.LayerNorm(-1) fails obscurely
         eps = check_positive_float(eps, "eps")
         self.ln_1 = nn.LayerNorm(d_model, eps=eps)
-        self.attn = MoAAttention(d_model, n_heads, gate=gate, dropout=dropout, backend=backend)
+        self.attn = MoAAttention(d_model, n_heads, gate=gate, dropout=dropout, backend=backend, attention=attention)
         self.ln_2 = nn.LayerNorm(d_model, eps=eps)
         self.mlp = GPT2MLP(d_model, dropout)
 

@@ -19,6 +19,7 @@ from .._validation import (
     check_matches_params,
 )
 from ..smeared import smeared_keys, smeared_keys_reference
+from .moa_attention import ATTENTION_IMPLEMENTATIONS
 
 
 class SmearedKeyAttention(nn.Module):
@@ -26,10 +27,14 @@ class SmearedKeyAttention(nn.Module):
 
     ``forward(x) = W_O concat_h softmax(q_h k'_h^T / sqrt(Dh) + causal) v_h`` with ``q, k, v = W_QKV x``.
     No positional encoding inside: positions come from the model (e.g. learned position embeddings
-    added to the residual stream), as in the lecture's attention-only transformers. Smearing is its
-    own kernel (:func:`icrl_kernels.smeared_keys`) before PyTorch's fused SDPA: it costs one extra
-    elementwise pass over ``K``, while folding it into the key load would mean giving up SDPA's
-    FlashAttention kernels for one of our own.
+    added to the residual stream), as in the lecture's attention-only transformers.
+
+    **Attention implementation** (``attention=``): with ``"sdpa"`` (the default) smearing is its own
+    kernel (:func:`icrl_kernels.smeared_keys`) before PyTorch's fused SDPA, one extra elementwise pass
+    over ``K``; with ``"fused"`` it is one call to :func:`icrl_kernels.gated_attention` with
+    ``smear_alpha``, which smears the key tiles as it loads them (our own causal flash-attention
+    kernel instead of SDPA's). SDPA stays the default on every device until GPU measurements decide
+    otherwise; the choice is this one documented argument.
 
     Attention weights are never materialised by SDPA; :meth:`attention_pattern` recomputes them on the
     reference path (same projections, reference smearing, explicit softmax) for analysis, and
@@ -41,8 +46,9 @@ class SmearedKeyAttention(nn.Module):
         smear: learn one smearing logit per head (``smear_logit``, ``[H]``); without it, plain attention.
         smear_init: initial logit; 0 starts every head at an even blend of the current and previous key.
         bias: whether the QKV and output projections have biases.
-        backend: kernel backend of :func:`~icrl_kernels.smeared_keys` (``"auto"``, ``"triton"``,
-            ``"eager"``, ``"reference"``).
+        backend: kernel backend of :func:`~icrl_kernels.smeared_keys` / :func:`~icrl_kernels.gated_attention`
+            (``"auto"``, ``"triton"``, ``"eager"``, ``"reference"``).
+        attention: ``"sdpa"`` (default) or ``"fused"``, see above.
 
     Shapes:
         ``x [B, L, D]`` -> ``[B, L, D]``; patterns are ``[B, H, L, L]`` (query, key), fp32.
@@ -57,6 +63,7 @@ class SmearedKeyAttention(nn.Module):
         smear_init: float = 0.0,
         bias: bool = False,
         backend: str = "auto",
+        attention: str = "sdpa",
     ) -> None:
         super().__init__()
         self.d_model = check_int(d_model, "d_model", min_value=1)
@@ -65,6 +72,7 @@ class SmearedKeyAttention(nn.Module):
             raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
         self.head_dim = d_model // num_heads
         self.backend = check_choice(backend, "backend", BACKENDS)
+        self.attention = check_choice(attention, "attention", ATTENTION_IMPLEMENTATIONS)
         smear, bias = check_bool(smear, "smear"), check_bool(bias, "bias")
         smear_init = check_finite_float(smear_init, "smear_init")
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
@@ -102,9 +110,14 @@ class SmearedKeyAttention(nn.Module):
         Raises ``ValueError`` (``x`` not ``[B, L, d_model]``) or ``TypeError`` (not a float tensor, or a
         dtype other than the parameters' outside autocast), naming ``x``."""
         q, k, v = self.project(x)
-        if self.smear_logit is not None:
-            k = smeared_keys(k, self.smear_logit, backend=self.backend)
-        out = self.merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        if self.attention == "fused":
+            from ..attention import gated_attention  # imported here: the module loads without it
+
+            out = self.out(gated_attention(q, k, v, smear_alpha=self.smear_logit, backend=self.backend))
+        else:
+            if self.smear_logit is not None:
+                k = smeared_keys(k, self.smear_logit, backend=self.backend)
+            out = self.merge_heads(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         if need_weights:
             return out, self.attention_pattern(x)
         return out
@@ -121,4 +134,7 @@ class SmearedKeyAttention(nn.Module):
         return scores.masked_fill(future, float("-inf")).softmax(dim=-1)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, num_heads={self.num_heads}, smear={self.smear}, backend={self.backend!r}"
+        return (
+            f"d_model={self.d_model}, num_heads={self.num_heads}, smear={self.smear}, backend={self.backend!r}, "
+            f"attention={self.attention!r}"
+        )

@@ -296,7 +296,7 @@ class DecisionTransformerMoA(nn.Module):
         attn = self.blocks[layer].attn
         d, head_dim = attn.d_model, attn.head_dim
         pattern = (torch.arange(d)[:, None] % head_dim == torch.arange(head_dim)[None, :]).float()  # [D, Dh]
-        weight = attn.qkv.weight  # [3D, D]: rows [q | k | v]; head h at rows h*Dh:(h+1)*Dh of each part
+        weight = attn.qkv.weight  # [3D (+ H), D]: rows [q | k | v (| gate)]; head h at rows h*Dh:(h+1)*Dh of each
         for head in [int(h) for h in heads]:
             if not 0 <= head < attn.n_heads:
                 raise ValueError(f"head {head} out of range for {attn.n_heads} heads")
