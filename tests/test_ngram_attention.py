@@ -15,10 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import icrl_kernels
 from icrl_kernels import NGramDecodeState, ngram_attention, ngram_attention_reference, ngram_plan, transition_ids
-from icrl_kernels.ngram import kernels as ngram_kernels
 from icrl_kernels.ngram.plan import SEGMENT_START, build_ngram_plan, ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
 from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
+
+pytest.importorskip("triton")  # the kernel modules need it: an install without the `triton` extra skips this file
+from icrl_kernels.ngram import kernels as ngram_kernels  # noqa: E402
 
 FAST_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
     pytest.param("triton", algorithm, device, id=f"triton-{algorithm}-{getattr(device, 'values', [device])[0]}",
@@ -210,7 +212,7 @@ import itertools
 from icrl_kernels.ngram import kernels, tiled_kernels
 from icrl_kernels.testing import CompileJob, compile_offline, config_jobs
 
-# benchmarks/bench_ngram_attention.py (DESIGN.md section 5): D = 512 and 256 (the same specialisation: both
+# benchmarks/bench_ngram_attention.py (docs/performance.md#targets): D = 512 and 256 (the same specialisation: both
 # are multiples of 16, so they compile once), the sort path at L = 4096 (B = 16: chunks of 384, 11 a row),
 # the tiled one at L = 256 (it runs up to L = 512). Every autotune config in bf16 (fp16 takes the same
 # path) and fp32; the sort path's carry kernels in their one config.
@@ -320,7 +322,7 @@ def test_sort_path_chunked_every_config(device, kernel_name, config_index):
      (1, 65536, 64, False), (2, 300, 32, False)],
 )  # fmt: skip
 def test_chunking_fills_the_gpu(batch, length, dim, fills):
-    """At the benchmark shapes (DESIGN.md: B = 8..16, L = 4096, D = 256..512) every config's grid has >= 4
+    """At the benchmark shapes (docs/performance.md#targets: B = 8..16, L = 4096, D = 256..512) every config's grid has >= 4
     programs per H100 SM; chunks are whole tiles, within max_chunks (which bounds the look-back and
     wins over filling the GPU when B * D is small)."""
     chunk = ngram_kernels.chunk_length(batch, length, dim)

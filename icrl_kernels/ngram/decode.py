@@ -43,7 +43,8 @@ class NGramDecodeState:
     Args:
         batch_size: number of sequences ``B`` stepped together.
         dim: feature width ``D`` of ``h``.
-        n: n-gram length, ``n >= 1``.
+        n: n-gram length, ``n >= 1``; ``n > max_len`` makes every output zero (no n-gram fits), at a
+            cost independent of ``n``.
         max_len: the most positions a sequence will take (sizes the tables; more raises ``ValueError``
             on CPU, a device assert on CUDA).
         device, dtype: where the tables live and the dtype of the returned outputs. Sums are fp32
@@ -64,6 +65,10 @@ class NGramDecodeState:
         self.dim = check_int(dim, "dim", min_value=1)
         self.n = check_int(n, "n", min_value=1)
         self.max_len = check_int(max_len, "max_len", min_value=1)
+        # n > max_len: no n-gram ever fits, every output is zero. The tables then keep 1-grams (never
+        # read), so memory and time stay independent of n.
+        self._never_matches = self.n > self.max_len
+        width = 1 if self._never_matches else self.n
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         self.dtype = dtype
@@ -73,12 +78,12 @@ class NGramDecodeState:
         sum_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         B, C = self.batch_size, self.capacity
         self._rows = torch.arange(B, device=self.device)
-        self.table_keys = torch.zeros(B, C, self.n, dtype=torch.int64, device=self.device)
+        self.table_keys = torch.zeros(B, C, width, dtype=torch.int64, device=self.device)
         self.table_used = torch.zeros(B, C, dtype=torch.bool, device=self.device)
         self.table_sum = torch.zeros(B, C, self.dim, dtype=sum_dtype, device=self.device)
         self.table_count = torch.zeros(B, C, dtype=torch.int64, device=self.device)
         self.num_keys = torch.zeros(B, dtype=torch.int64, device=self.device)
-        self.window = torch.full((B, self.n), -1, dtype=torch.int64, device=self.device)
+        self.window = torch.full((B, width), -1, dtype=torch.int64, device=self.device)
         self.length = torch.zeros(B, dtype=torch.int64, device=self.device)
         # Host-side upper bound of every row's length (and so of its number of keys): steps since the
         # last full reset. A partial reset cannot lower it without reading which rows it cleared.
@@ -134,6 +139,11 @@ class NGramDecodeState:
                 self.length.max() >= self.max_len,
                 f"more than max_len={self.max_len} positions; create the state with a larger max_len",
             )
+
+        if self._never_matches:
+            self.length += 1
+            self._length_bound += 1
+            return torch.zeros(self.batch_size, self.dim, dtype=self.dtype, device=self.device)
 
         previous_gram = self.window
         gram = torch.cat([self.window[:, 1:], ids_t.long().unsqueeze(1)], dim=1)

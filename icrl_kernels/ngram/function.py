@@ -15,6 +15,7 @@ from .._validation import (
     check_same_device,
     check_shape,
     check_tensor,
+    check_values,
 )
 from .eager import ngram_backward_eager, ngram_forward_eager
 from .plan import NGramPlan, _ngram_plan_op
@@ -179,19 +180,33 @@ def ngram_attention(
     Args:
         h: hidden states ``[B, L, D]``, fp32/fp16/bf16 (fp64 on the eager and reference backends).
         ids: token ids ``[B, L]``, integer, same device as ``h``; any magnitude.
-        n: n-gram length, ``n >= 1`` (``n > L`` gives all zeros).
+        n: n-gram length, an int ``>= 1`` (``n >= L - 1`` gives all zeros: no key can match; the cost
+            does not grow with ``n`` beyond ``L``).
         backend: ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``; otherwise, on the CPU, the
             dense reference up to ``CPU_DENSE_MAX_LENGTH`` positions, where it is faster, and eager
             beyond), ``"triton"``, ``"eager"`` (always sort + prefix sums in PyTorch) or
             ``"reference"`` (dense O(L^2)).
         plan: a precomputed :func:`ngram_plan` of ``(ids, n)``, to share the sort across layers. A plan
-            always selects a sort path: ``"auto"`` then never takes the dense or tiled path.
+            always selects a sort path: ``"auto"`` then never takes the dense or tiled path. A plan
+            built for another ``n`` or other ids raises ``ValueError`` (the ids compare is a device-side
+            check, see :func:`check_plan`).
         algorithm: Triton backend only: ``"sort"`` (sort + segmented sums, O(L log L + L D)),
             ``"tiled"`` (on-the-fly mask tiles, O(L^2 D), no sort) or ``"auto"`` (tiled up to
             ``TILED_MAX_LENGTH[h.dtype]`` positions unless a plan is given, sort beyond).
 
     Returns:
-        ``[B, L, D]`` in ``h.dtype``; differentiable w.r.t. ``h`` (ids get no gradient).
+        ``[B, L, D]`` in ``h.dtype``; differentiable w.r.t. ``h`` (ids get no gradient). A non-finite value
+        in ``h`` (or in the gradient) reaches only the outputs (gradients) that average over it on the sort
+        paths (eager and Triton): it never leaks into other n-gram segments. The dense paths (the
+        reference, which CPU ``"auto"`` uses for short contexts, and the Triton *tiled* kernel, GPU
+        ``"auto"`` for short contexts) multiply 0/1 patterns with ``h``, so ``0 * inf = nan`` spreads an
+        ``inf``/``nan`` of ``h`` to its batch row (tile). Finite outliers stay in their segment on
+        every path.
+
+    Raises:
+        TypeError: an argument of the wrong type or dtype (``h``, ``ids``, ``n``, ``plan``).
+        ValueError: wrong ranks or shapes, empty ``ids``/``h``, ``n < 1``, devices that differ, an unknown
+            ``backend`` or ``algorithm``, a ``plan`` of other ids or another ``n``.
     """
     check_tensor(h, "h", ndim=3, dtypes=FLOAT_DTYPES)
     ids, n = validate_ids_and_n(ids, n)
@@ -200,9 +215,15 @@ def ngram_attention(
     if h.shape[2] == 0:
         raise ValueError(f"h must have a non-empty feature dimension, got shape {tuple(h.shape)}")
     check_choice(algorithm, "algorithm", ALGORITHMS)
+    if plan is not None:
+        check_plan(plan, ids, n)
     impl = resolve_backend(backend, h.device)
     if algorithm == "tiled" and impl != "triton":
         raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
+    length = h.shape[1]
+    # No n-gram of more than L ids fits in a row: every n > L gives the same all-zero output as L + 1,
+    # so the work stays O(L) whatever n is (the tiled kernel unrolls n compares; the plan packs n ids).
+    n = min(n, length + 1)
     if backend == "auto" and impl == "eager" and _cpu_auto_uses_dense(h, plan):
         impl = "reference"
     if impl == "reference":
@@ -210,14 +231,45 @@ def ngram_attention(
     if impl == "triton":
         if h.dtype not in KERNEL_FLOAT_DTYPES:
             raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
-        if algorithm == "auto":
-            algorithm = "tiled" if plan is None and h.shape[1] <= TILED_MAX_LENGTH[h.dtype] else "sort"
+        if algorithm == "auto" or n > length:  # n > L: nothing matches; the sort path's plan is O(1) then
+            algorithm = "tiled" if plan is None and length <= TILED_MAX_LENGTH[h.dtype] and n <= length else "sort"
         if algorithm == "tiled":
             return ngram_attention_tiled_op(h, ids, n)[0]
     if plan is None:
-        plan = NGramPlan(*_ngram_plan_op(ids, n))
+        perm, meta, count = _ngram_plan_op(ids, n)
     else:
-        for name, tensor in zip(NGramPlan._fields, plan):
-            check_shape(tensor, f"plan.{name}", tuple(ids.shape), "ids.shape")
-            check_same_device(h=h, **{f"plan.{name}": tensor})
-    return ngram_attention_op(h, plan.perm, plan.meta, plan.count, impl)
+        perm, meta, count = plan
+    return ngram_attention_op(h, perm, meta, count, impl)
+
+
+def check_plan(plan: object, ids: torch.Tensor, n: int) -> NGramPlan:
+    """Check that ``plan`` is an :class:`NGramPlan` built from these ``ids [B, L]`` and this ``n``.
+
+    Shapes, device and ``n`` are compared on the host. If ``plan.ids`` is the very tensor given, its
+    version counter tells whether it was written in place since the build (then refused). Otherwise
+    the ids are compared element by element; that compare goes through
+    ``check_values`` (a device-side assert on CUDA, no host sync) and reads ``2 B L`` ids, nothing next
+    to ``h``.
+
+    Raises:
+        TypeError: ``plan`` is not an :class:`NGramPlan`.
+        ValueError: it was built for another ``n``, another shape, device or other ids.
+    """
+    if not isinstance(plan, NGramPlan):
+        raise TypeError(f"plan must be an NGramPlan (from ngram_plan(ids, n)), got {type(plan).__name__}")
+    if plan.n != n:
+        raise ValueError(f"plan was built for n={plan.n}, but n={n}; build one with ngram_plan(ids, {n})")
+    for name in (*NGramPlan._fields, "ids"):
+        check_shape(getattr(plan, name), f"plan.{name}", tuple(ids.shape), "ids.shape")
+    check_same_device(ids=ids, **{"plan.ids": plan.ids})
+    if plan.ids is ids:
+        # The plan holds the tensor itself (no copy): an in-place write since the build cannot be told
+        # apart from one that kept the values, so any write is refused.
+        if ids._version != plan._ids_version:
+            raise ValueError("plan was built from ids that were modified in place since; build a new ngram_plan")
+    else:
+        check_values(
+            (plan.ids.long() != ids.long()).any(),
+            "plan was built from other ids than the ids given; build it with ngram_plan(ids, n)",
+        )
+    return plan

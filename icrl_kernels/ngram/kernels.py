@@ -19,8 +19,8 @@ the grid has at least ``4 * 132`` programs (4 per H100 SM) wherever ``L`` allows
 **Fewer gathers.** The forward at sorted position ``k`` needs the running sum of the values
 ``v(m) = h[perm[m] + 1]`` of the earlier segment elements, minus ``v(k - 1)`` when that key is ``j = i``
 (:data:`.plan.PREVIOUS_ADJACENT`). Scanning ``y(k) = v(k - 1)`` (zero at a segment start) instead of
-``v(k)`` makes the running sum *already exclusive* and turns the self-exclusion into ``adj(k) * y(k)``,
-a value in registers: ``h`` is gathered once per position, not twice. The match count is
+``v(k)`` leaves the *exclusive* segmented sum of ``y`` (the rows before ``k``) plus ``y(k)`` unless
+``adj(k)``, a value in registers: ``h`` is gathered once per position, not twice. The match count is
 ``k - segment_start(k) - adj(k)`` (zero for invalid n-grams), a scan of the meta bits, so the forward
 does not read ``count`` at all. The backward mirrors it: it scans ``x(k) = w(k + 1)`` (the weight
 ``grad_out[perm[k+1]] / count`` of the next segment element) from the end, so ``grad_out`` and ``count``
@@ -44,6 +44,13 @@ most 1 when one n-gram fills whole chunks), ``~13 B L`` bytes of plan per pass a
 bytes of partials (360 KB below). At B = 16, L = 4096, D = 512 bf16: ``4 N s`` = 268 MB, ~80 us at
 3.35 TB/s; 40% of copy bandwidth allows 200 us. Grid: 11 chunks of 384 positions, 704 (``BLOCK_D`` =
 128) to 2816 (``BLOCK_D`` = 32) programs; at B = 8, 32 chunks of 128, 1024 to 4096 programs.
+
+**Segment isolation.** Each sum combines values of one segment only: the scan's combine restarts at
+segment starts with ``tl.where``, the exclusive sum is scanned directly (a tuple scan carrying the
+last row's value) instead of inclusive minus own value, the adjacency exclusion leaves a term out
+rather than subtracting it, and carries hold only the open segment. So one huge or non-finite value
+changes only the outputs that average over it. The bytes moved are the same as with a plain running
+sum (the extra tuple member lives in registers): no pass over ``h`` or ``grad_out`` is added.
 
 Accumulation is fp32 whatever the input dtype (inputs are upcast on load).
 """
@@ -115,8 +122,12 @@ def chunk_length(batch: int, length: int, dim: int) -> int:
 
 
 @triton.jit
-def _segmented_add(start_a, sum_a, start_b, sum_b):
-    return start_a | start_b, tl.where(start_b != 0, sum_b, sum_a + sum_b)
+def _segmented_exclusive_add(start_a, before_a, last_a, start_b, before_b, last_b):
+    """Combine of a segmented *exclusive* running sum. An element of a range is (has a segment start,
+    sum of the range's open segment without its last row, last row's value): the sum kept for a row
+    never includes the row itself and never crosses a segment start (``tl.where``, not a multiply, so
+    a discarded cross-segment sum cannot leak a large or non-finite value)."""
+    return start_a | start_b, tl.where(start_b != 0, before_b, before_a + last_a + before_b), last_b
 
 
 @triton.jit
@@ -125,19 +136,21 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _segment_running_sum(values, starts, carry, BLOCK_L: tl.constexpr):
-    """Inclusive running sum of ``values [BLOCK_L, BLOCK_D]`` along rows, restarting where ``starts``.
+def _segment_exclusive_sum(values, starts, carry, BLOCK_L: tl.constexpr):
+    """Exclusive running sum of ``values [BLOCK_L, BLOCK_D]`` along rows, restarting where ``starts``:
+    row ``k`` gets the sum of the rows before it in its segment, not its own value (computed directly,
+    not as inclusive minus own value: ``(S + 1e20) - 1e20`` would lose ``S``).
 
-    Rows before the tile's first segment start continue the previous tile's open segment (``carry``).
-    Returns the running sums and the carry for the next tile.
+    Rows before the tile's first segment start continue the previous tile's open segment (``carry``,
+    its inclusive sum). Returns the exclusive sums and the carry for the next tile.
     """
     flags = tl.broadcast_to(starts[:, None], values.shape)
-    _, running = tl.associative_scan((flags, values), 0, _segmented_add)
+    _, before, _ = tl.associative_scan((flags, tl.zeros_like(values), values), 0, _segmented_exclusive_add)
     continues_open_segment = tl.cumsum(starts, 0) == 0
-    running += tl.where(continues_open_segment[:, None], carry[None, :], 0.0)
+    before += tl.where(continues_open_segment[:, None], carry[None, :], 0.0)
     is_last_row = tl.arange(0, BLOCK_L) == BLOCK_L - 1
-    next_carry = tl.sum(tl.where(is_last_row[:, None], running, 0.0), axis=0)
-    return running, next_carry
+    next_carry = tl.sum(tl.where(is_last_row[:, None], before + values, 0.0), axis=0)
+    return before, next_carry
 
 
 # --- forward --------------------------------------------------------------------------------------
@@ -241,7 +254,7 @@ def _ngram_forward_kernel(
         next_meta = tl.load(meta_ptr + plan_row + k_next, mask=next_ok, other=0)
 
         starts = meta & 1
-        adjacent = ((meta >> 1) & 1).to(tl.float32)
+        adjacent = (meta >> 1) & 1
         valid = ((meta >> 2) & 1) != 0
         # y(k) = v(k - 1) = h[perm[k - 1] + 1] inside a segment (0 at its start).
         has_value = k_ok & (starts == 0) & (k > 0) & (source + 1 < L)
@@ -250,14 +263,15 @@ def _ngram_forward_kernel(
             mask=has_value[:, None] & col_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        running, carry = _segment_running_sum(values, starts, carry, BLOCK_L)
-        # The key just before k in the segment is j = i when adjacent: exclude it (strict pattern).
-        total = running - adjacent[:, None] * values
+        before, carry = _segment_exclusive_sum(values, starts, carry, BLOCK_L)
+        # y(k) is the key just before k in the segment; it is j = i when adjacent: then left out
+        # (strict pattern). Added, never subtracted: nothing cancels.
+        total = before + tl.where(adjacent[:, None] != 0, 0.0, values)
 
         start_here = tl.where(k_ok & (starts != 0), k, -1)
         own_start = tl.maximum(tl.associative_scan(start_here, 0, _max_combine), segment_start)
         segment_start = tl.maximum(segment_start, tl.max(start_here, axis=0))
-        count = tl.where(valid & k_ok, k - own_start - adjacent.to(tl.int32), 0)
+        count = tl.where(valid & k_ok, k - own_start - adjacent, 0)
         mean = tl.where((count > 0)[:, None], total / tl.maximum(count, 1).to(tl.float32)[:, None], 0.0)
         tl.store(
             out_row + target[:, None] * stride_ol + cols[None, :],
@@ -388,10 +402,11 @@ def _ngram_backward_kernel(
             ).to(tl.float32)
             / tl.maximum(count, 1).to(tl.float32)[:, None]
         )
-        running, carry = _segment_running_sum(weights, ends, carry, BLOCK_L)
-        # The query just after k in the segment is i = j when adjacent: exclude it (strict pattern).
-        next_adjacent = ((meta_next >> 1) & 1).to(tl.float32)
-        total = running - next_adjacent[:, None] * weights
+        before, carry = _segment_exclusive_sum(weights, ends, carry, BLOCK_L)
+        # x(k) is the query just after k in the segment; it is i = j when adjacent: then left out
+        # (strict pattern). Added, never subtracted: nothing cancels.
+        next_adjacent = ((meta_next >> 1) & 1) != 0
+        total = before + tl.where(next_adjacent[:, None], 0.0, weights)
 
         has_key_row = k_ok & (key + 1 < L)
         is_key = has_key_row & (((meta >> 2) & 1) != 0)

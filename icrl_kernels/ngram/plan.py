@@ -16,7 +16,7 @@ dtypes only), so on a GPU it is a queue of kernels with no synchronisation.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -32,18 +32,53 @@ VALID_NGRAM = 4  # the n-gram ending at perm[k] is in range and has no padding
 _KEY_LIMIT = 2**63
 
 
-class NGramPlan(NamedTuple):
+class NGramPlan:
     """Precomputed matching structure for one ``(ids, n)``; reusable across layers with the same n.
+
+    Build it with :func:`ngram_plan`. It remembers what it was built from, so that
+    ``ngram_attention(h, ids, n, plan=plan)`` can reject a plan of other ids or another ``n`` (a plan
+    of other ids would silently give wrong outputs). Iterating yields ``(perm, meta, count)``.
 
     Attributes:
         perm: ``[B, L]`` int64, positions sorted by (n-gram ending there, position).
         meta: ``[B, L]`` uint8, flags per sorted position (``SEGMENT_START | PREVIOUS_ADJACENT | VALID_NGRAM``).
         count: ``[B, L]`` int32, number of keys each query position matches (0: output row is zero).
+        ids: ``[B, L]`` the integer ids the plan was built from (kept by reference, not copied).
+        n: the n-gram length it was built for.
+
+    Raises:
+        TypeError: a field is not a tensor of the dtype above, or ``n`` is not an int.
+        ValueError: the tensors differ in shape or device, or ``n < 1``.
     """
 
-    perm: torch.Tensor
-    meta: torch.Tensor
-    count: torch.Tensor
+    __slots__ = ("perm", "meta", "count", "ids", "n", "_ids_version")
+    _fields = ("perm", "meta", "count")
+
+    def __init__(
+        self, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, *, ids: torch.Tensor, n: int
+    ) -> None:
+        from .._validation import INT_DTYPES, check_int, check_same_device, check_shape, check_tensor
+
+        check_tensor(ids, "ids", ndim=2, dtypes=INT_DTYPES)
+        for name, value, dtype in (
+            ("perm", perm, torch.int64),
+            ("meta", meta, torch.uint8),
+            ("count", count, torch.int32),
+        ):
+            check_tensor(value, f"plan.{name}", dtypes=(dtype,))
+            check_shape(value, f"plan.{name}", tuple(ids.shape), "ids.shape")
+        check_same_device(ids=ids, **{"plan.perm": perm, "plan.meta": meta, "plan.count": count})
+        self.perm, self.meta, self.count = perm, meta, count
+        self.ids = ids
+        self.n = check_int(n, "n", min_value=1)
+        # In-place writes to ``ids`` after the build bump its version: ngram_attention then refuses the plan.
+        self._ids_version = ids._version
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter((self.perm, self.meta, self.count))
+
+    def __repr__(self) -> str:
+        return f"NGramPlan(n={self.n}, shape={tuple(self.perm.shape)}, device={self.perm.device})"
 
 
 def _shift_right(x: torch.Tensor, steps: int, fill: int = 0) -> torch.Tensor:
@@ -100,6 +135,8 @@ def ngram_keys(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         ``(keys [B, L] int64, valid [B, L] bool)``; invalid positions have key ``-1``.
     """
     valid = ngram_valid(ids, n)
+    if n > ids.shape[1]:  # no n-gram fits in the row: O(1) in n (no packing loop of n - 1 steps)
+        return torch.full(ids.shape, -1, dtype=torch.int64, device=ids.device), valid
     tokens = ids.clamp(min=0).long()
     if n == 1:
         keys = tokens
@@ -139,7 +176,7 @@ def build_ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
         + previous_adjacent.to(torch.uint8) * PREVIOUS_ADJACENT
         + valid_sorted.to(torch.uint8) * VALID_NGRAM
     )
-    return NGramPlan(perm, meta, count)
+    return NGramPlan(perm, meta, count, ids=ids, n=n)
 
 
 def _ngram_plan(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,5 +202,6 @@ def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     """
     from .function import validate_ids_and_n
 
+    original_ids = ids
     ids, n = validate_ids_and_n(ids, n)
-    return NGramPlan(*_ngram_plan_op(ids, n))
+    return NGramPlan(*_ngram_plan_op(ids, n), ids=original_ids, n=n)

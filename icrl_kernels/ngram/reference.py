@@ -31,10 +31,14 @@ def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
 def ngram_attention_reference(h: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
     """``A(n) @ h`` with each row of ``A`` divided by its match count (rows without a match give 0).
 
+    Finite outliers are exact here (each output is one matmul row). A non-finite value of ``h`` spreads
+    to every query of its batch row, as in any matmul (``0 * inf = nan``); the sort paths keep it in its
+    own segment.
+
     Args:
         h: hidden states ``[B, L, D]``, any float dtype; the math runs in fp32 (fp64 stays fp64).
         ids: token ids ``[B, L]`` (integer); negative ids are padding.
-        n: n-gram length, ``n >= 1``.
+        n: n-gram length, ``n >= 1`` (cost O(min(n, L)) in ``n``).
 
     Returns:
         ``[B, L, D]`` in ``h.dtype``.

@@ -37,7 +37,8 @@ def transition_ids(
         int64 ids of ``states.shape``; ``-1`` wherever any input is negative (padding).
 
     Raises:
-        ValueError: shape or device mismatch, missing inputs; a value at or above its ``num_*`` (checked
+        ValueError: shape or device mismatch, missing inputs; ``num_states * num_actions * num_rewards``
+            above ``2**63`` (ids would wrap around int64); a value at or above its ``num_*`` (checked
             through ``icrl_kernels._validation.check_values``: a ValueError on CPU, an asynchronous
             device assert on CUDA unless ``set_value_checks("sync")``).
     """
@@ -58,6 +59,15 @@ def transition_ids(
                 )
             check_same_device(states=states, **{name: value})
             parts.append((name, value.long(), check_int(size, f"num_{name}", min_value=1)))
+    total = 1
+    for _, _, size in parts:
+        total *= size
+    if total > 2**63:  # the largest id, total - 1, must fit in int64 (else two steps would share an id)
+        sizes = ", ".join(f"num_{name}={size}" for name, _, size in parts)
+        raise ValueError(
+            f"{sizes} give {total} distinct ids, more than int64 holds (2**63); "
+            "use fewer states, actions or rewards, or mode='state'"
+        )
     padding = torch.zeros(states.shape, dtype=torch.bool, device=states.device)
     ids = torch.zeros(states.shape, dtype=torch.int64, device=states.device)
     for name, value, size in parts:
