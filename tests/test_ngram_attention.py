@@ -322,7 +322,7 @@ def test_sort_path_chunked_every_config(device, kernel_name, config_index):
      (1, 65536, 64, False), (2, 300, 32, False)],
 )  # fmt: skip
 def test_chunking_fills_the_gpu(batch, length, dim, fills):
-    """At the benchmark shapes (docs/performance.md#targets: B = 8..16, L = 4096, D = 256..512) every config's grid has >= 4
+    """At the benchmark shapes (B = 8..16, L = 4096, D = 256..512; docs/performance.md) every config's grid has >= 4
     programs per H100 SM; chunks are whole tiles, within max_chunks (which bounds the look-back and
     wins over filling the GPU when B * D is small)."""
     chunk = ngram_kernels.chunk_length(batch, length, dim)
