@@ -71,6 +71,24 @@ def test_no_reference_to_files_outside_the_repository(path: Path):
     assert not found, f"{path.relative_to(ROOT)} mentions {found}, which users do not have"
 
 
+def test_code_points_to_docs_not_outside_files():
+    """Docstrings and comments are documentation too (``help()`` shows them): the package, tests and
+    benchmarks name ``docs/`` pages, never the design notes outside the repository."""
+    found = []
+    for folder in ("icrl_kernels", "icrl_models", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == Path(__file__).resolve():
+                continue
+            text = path.read_text()
+            found += [f"{path.relative_to(ROOT)}: {word}" for word in FORBIDDEN if word in text]
+    found += [
+        f"benchmarks/results/README.md: {w}"
+        for w in FORBIDDEN
+        if w in (ROOT / "benchmarks/results/README.md").read_text()
+    ]
+    assert not found, found
+
+
 def test_anchor_rules():
     text = "# A `b` (c, d)\n## Value checks never stall the GPU\n## A `b` (c, d)\n```\n# not a heading\n```\n"
     assert github_anchors(text) == {"a-b-c-d", "value-checks-never-stall-the-gpu", "a-b-c-d-1"}
