@@ -76,9 +76,7 @@ def check_int(value: object, name: str, *, min_value: int | None = None, max_val
 
 def check_positive_float(value: object, name: str) -> float:
     """Check a strictly positive, finite real number (e.g. a temperature); return it as ``float``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    value = _real(value, name)
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"{name} must be > 0 and finite, got {value}")
     return value
@@ -99,11 +97,16 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_finite_float(value: object, name: str) -> float:
-    """Check a finite real number (bool is rejected); return it as ``float``."""
+def _real(value: object, name: str) -> float:
+    """``value`` as ``float`` if it is a real number (bool is rejected: ``True`` is no temperature)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    return float(value)
+
+
+def check_finite_float(value: object, name: str) -> float:
+    """Check a finite real number (bool is rejected); return it as ``float``."""
+    value = _real(value, name)
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name} must be finite, got {value}")
     return value

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
-from .storage import _check_expected
+from .storage import histories_from_arrays
 
 #: Value of the ``format`` entry of an exported container.
 CONTAINER_FORMAT = "icrl-histories"
@@ -133,18 +133,7 @@ def import_histories(
     for name, array in arrays.items():
         if array.dtype.kind not in "biuf":
             raise DatasetError(f"{path}: field {name!r} has dtype {array.dtype}, expected numbers or bools")
-    histories = LearningHistories(
-        **{name: arrays[name] for name in ARRAY_FIELDS},
-        task_params={name[len("task/") :]: value for name, value in arrays.items() if name.startswith("task/")},
-        metadata=metadata,
-    )
-    try:
-        histories.validate()
-    except DatasetError as error:
-        raise DatasetError(f"{path}: {error}") from None
-    if expect:
-        _check_expected(path, histories.metadata, expect, prefix="")
-    return histories
+    return histories_from_arrays(path, arrays, metadata, expect=expect)
 
 
 def _text(value: Any) -> Any:

@@ -157,10 +157,18 @@ def load_histories(
     missing = [name for name in ARRAY_FIELDS if name not in arrays]
     if missing:
         raise DatasetError(f"{path} lacks the arrays {missing}")
+    return histories_from_arrays(path, arrays, header["metadata"], verify=verify, expect=expect)
+
+
+def histories_from_arrays(
+    path: Any, arrays: dict[str, np.ndarray], metadata: Any, *, verify: bool = True, expect: dict[str, Any] | None
+) -> LearningHistories:
+    """Assemble loaded arrays (``ARRAY_FIELDS`` plus ``task/<name>`` entries) into validated histories;
+    errors name ``path``. Shared by the native format and the npz/HDF5 importers."""
     histories = LearningHistories(
         **{name: arrays[name] for name in ARRAY_FIELDS},
         task_params={name[len("task/") :]: value for name, value in arrays.items() if name.startswith("task/")},
-        metadata=header["metadata"],
+        metadata=metadata,
     )
     if verify:
         try:
