@@ -7,6 +7,7 @@ PyTorch, or the Triton interpreter when ``TRITON_INTERPRET=1``; ``backend=`` ove
 
 from ._backend import BACKENDS, resolve_backend
 from ._validation import VALUE_CHECK_MODES, set_value_checks, value_checks
+from .attention import gated_attention, gated_attention_reference
 from .contrastive import (
     OvercompleteEmbeddingWarning,
     infonce_loss,
@@ -40,6 +41,8 @@ __all__ = [
     "NGramDecodeState",
     "NGramPlan",
     "OvercompleteEmbeddingWarning",
+    "gated_attention",
+    "gated_attention_reference",
     "infonce_loss",
     "infonce_loss_reference",
     "inject_layer_norm",

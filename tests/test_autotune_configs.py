@@ -24,6 +24,8 @@ import torch
 pytest.importorskip("triton")
 
 from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel modules need triton)
+    gated_attention,
+    gated_attention_reference,
     infonce_loss,
     infonce_loss_reference,
     ngram_attention,
@@ -125,6 +127,32 @@ def check_select(device: str, dtype: torch.dtype) -> None:
     assert mask.gather(-1, _sample(pred, embeds, mask)[..., None]).all(), "sampling picked an unavailable action"
 
 
+def check_gated_attention(device: str, dtype: torch.dtype) -> None:
+    """``gated_attention(backend="triton")`` and every gradient against the reference: softmax gate with
+    smeared keys, and the linear gate (whose dq pass also recomputes ``P V``). bf16 tolerance as in
+    tests/test_gated_attention.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
+    their own fixed tile (``FP32_TILES``) whatever config is forced: the configs are exercised in bf16."""
+    tiny = device == "cpu"
+    # Tiny: L = 70 is one 128-row, two 64-row or three 32-row blocks (ragged); Dh = 24 pads to 32. CUDA: L = 1000.
+    batch, heads, length, head_dim = (1, 2, 70, 24) if tiny else (2, 12, 1000, 64)
+    gen = _generator(length + head_dim)
+    tol = 3e-2 if dtype == torch.bfloat16 else RMS_TOLERANCE[dtype]
+    for gate, smear in (("softmax", True), ("linear", False)):
+        leaves = [torch.randn(batch, heads, length, head_dim, generator=gen).to(device, dtype) for _ in range(3)]
+        leaves.append(torch.randn(batch, length, heads, generator=gen).to(device, dtype))
+        alpha = torch.randn(heads, generator=gen).to(device) if smear else None
+        leaves = [t.requires_grad_(True) for t in leaves] + ([alpha.requires_grad_(True)] if smear else [])
+        refs = [t.detach().float().requires_grad_(True) for t in leaves]
+        out = gated_attention(*leaves[:4], gate=gate, smear_alpha=alpha, backend="triton")
+        ref = gated_attention_reference(*refs[:4], gate=gate, smear_alpha=refs[4] if smear else None)
+        assert_close_rel(out, ref, rms_tol=tol, name=f"{gate} output")
+        grad_out = torch.randn(ref.shape, generator=gen).to(device, dtype)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+        grads_ref = torch.autograd.grad(ref, refs, grad_out.float())
+        for name, grad, grad_ref in zip(("q", "k", "v", "gate_logits", "smear_alpha"), grads, grads_ref):
+            assert_close_rel(grad, grad_ref, rms_tol=tol, name=f"{gate} grad {name}")
+
+
 #: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
 CHECKS = {
     "ngram_forward": lambda device, dtype: check_ngram("sort", device, dtype),
@@ -135,6 +163,9 @@ CHECKS = {
     "infonce_grad_pred": check_infonce,
     "infonce_grad_embeds": check_infonce,
     "select_actions": check_select,
+    "gated_attention_forward": check_gated_attention,
+    "gated_attention_backward_dkdv": check_gated_attention,
+    "gated_attention_backward_dq": check_gated_attention,
 }
 
 KERNELS = {kernel_name(kernel): kernel for kernel in autotuned_kernels()}

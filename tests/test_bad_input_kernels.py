@@ -207,6 +207,57 @@ ERROR_CASES: list[Case] = [
         "gate unknown",
         lambda: K.mixture_of_heads_reference(f32(2, 3, 4, 8), f32(2, 3, 4), gate="relu"),
     ),
+    # gated_attention
+    Case(
+        "gated_attention",
+        "q not a tensor",
+        lambda: K.gated_attention(None, f32(1, 2, 3, 8), f32(1, 2, 3, 8)),
+        TypeError,
+    ),
+    Case("gated_attention", "q rank", lambda: K.gated_attention(f32(2, 3, 8), f32(2, 3, 8), f32(2, 3, 8))),
+    Case("gated_attention", "k shape", lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 4, 8), f32(1, 2, 3, 8))),
+    Case(
+        "gated_attention",
+        "v dtype",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8).double()),
+        TypeError,
+    ),
+    Case(
+        "gated_attention",
+        "gate_logits shape",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3)),
+    ),
+    Case(
+        "gated_attention",
+        "gate_logits on meta",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 3, 2, **META)),
+    ),
+    Case(
+        "gated_attention",
+        "gate unknown",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 3, 2), gate="relu"),
+    ),
+    Case(
+        "gated_attention",
+        "smear_alpha shape",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), smear_alpha=f32(3)),
+    ),
+    Case(
+        "gated_attention",
+        "smear_alpha int",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), smear_alpha=ids(2)),
+        TypeError,
+    ),
+    Case(
+        "gated_attention",
+        "k huge",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), huge(2**20, 2, 2**20, 8), f32(1, 2, 3, 8)),
+    ),
+    Case(
+        "gated_attention",
+        "backend unknown",
+        lambda: K.gated_attention(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), backend="flash"),
+    ),
     # smeared_keys
     Case("smeared_keys", "k rank", lambda: K.smeared_keys(f32(3, 5, 4), f32(3))),
     Case("smeared_keys", "k not a tensor", lambda: K.smeared_keys(1.0, f32(3)), TypeError),
@@ -531,6 +582,17 @@ REFERENCE_CASES: list[Case] = [
         lambda: K.mixture_of_heads_reference(f32(2, 3, 4, 8), f32(2, 3, 5)),
     ),
     Case("smeared_keys_reference", "alpha shape", lambda: K.smeared_keys_reference(f32(2, 3, 5, 4), f32(4))),
+    Case(
+        "gated_attention_reference",
+        "gate_logits shape",
+        lambda: K.gated_attention_reference(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3)),
+    ),
+    Case(
+        "gated_attention_reference",
+        "smear_alpha not a tensor",
+        lambda: K.gated_attention_reference(f32(1, 2, 3, 8), f32(1, 2, 3, 8), f32(1, 2, 3, 8), smear_alpha=[0.0]),
+        TypeError,
+    ),
     Case(
         "infonce_loss_reference", "action_embeds width", lambda: K.infonce_loss_reference(f32(2, 8), f32(3, 7), ids(2))
     ),
@@ -932,6 +994,17 @@ TRITON_ERROR_CASES = [
     ),
     Case("smeared_keys", "alpha shape", lambda: K.smeared_keys(f32(1, 2, 3, 16), f32(3), backend="triton")),
     Case(
+        "gated_attention",
+        "q fp64",
+        lambda: K.gated_attention(*(f32(1, 2, 3, 16).double() for _ in range(3)), backend="triton"),
+        TypeError,
+    ),
+    Case(
+        "gated_attention",
+        "smear_alpha shape",
+        lambda: K.gated_attention(*(f32(1, 2, 3, 16) for _ in range(3)), smear_alpha=f32(3), backend="triton"),
+    ),
+    Case(
         "inject_layer_norm",
         "weight width",
         lambda: K.inject_layer_norm(None, f32(1, 2, 16), None, f32(15), None, backend="triton"),
@@ -965,6 +1038,12 @@ def test_odd_input_on_the_triton_backend_matches_reference():
     logits = torch.tensor([[[NAN, 0.0], [1.0, 2.0]]])
     got = K.mixture_of_heads(head_out, logits, backend="triton")
     torch.testing.assert_close(got, K.mixture_of_heads_reference(head_out, logits), equal_nan=True)
+    # A NaN gate logit poisons only its own row (softmax over that row's heads); other rows stay finite.
+    q = f32(1, 2, 3, 16)
+    nan_logits = torch.tensor([[[NAN, 0.0], [1.0, 2.0], [0.0, 0.0]]])
+    got = K.gated_attention(q, q, q, nan_logits, backend="triton")
+    torch.testing.assert_close(got, K.gated_attention_reference(q, q, q, nan_logits), equal_nan=True)
+    assert got[:, 0].isnan().all() and torch.isfinite(got[:, 1:]).all()
     # A constant row has zero variance: rstd = 1/sqrt(eps), normed = bias (zero here), hidden = prompt.
     hidden, normed = K.inject_layer_norm(None, torch.ones(1, 2, 16), None, torch.ones(16), None, backend="triton")
     want_hidden, want_normed = K.inject_layer_norm_reference(None, torch.ones(1, 2, 16), None, torch.ones(16), None)

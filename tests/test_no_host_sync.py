@@ -172,7 +172,15 @@ def _op_cases(device: torch.device) -> dict[str, Callable[[str], torch.Tensor]]:
         _backward(out)
         return out
 
+    def run_gated_attention(backend):
+        out = ik.gated_attention(
+            rand(2, 3, 7, 16), rand(2, 3, 7, 16), rand(2, 3, 7, 16), rand(2, 7, 3), smear_alpha=rand(3), backend=backend
+        )
+        _backward(out)
+        return out
+
     return {
+        "gated_attention": run_gated_attention,
         "ngram_attention": run_ngram,
         "infonce_loss": run_infonce,
         "select_actions": run_select,
@@ -197,6 +205,12 @@ def _module_cases(device: torch.device) -> dict[str, Callable[[], torch.Tensor]]
     def smeared():
         return ik.SmearedKeyAttention(32, 4).to(device)(x)
 
+    def moa_fused():
+        return ik.MoAAttention(32, 4, attention="fused").to(device)(x)
+
+    def smeared_fused():
+        return ik.SmearedKeyAttention(32, 4, attention="fused").to(device)(x)
+
     def looped():
         return ik.LoopedBlock(32, 4, 16).to(device)(x, loops=3, grad_loops=2)
 
@@ -209,7 +223,8 @@ def _module_cases(device: torch.device) -> dict[str, Callable[[], torch.Tensor]]
         action_map.select(x.detach(), mode="sample")
         return loss
 
-    return {"NGramAttention": ngram, "MoAAttention": moa, "SmearedKeyAttention": smeared, "LoopedBlock": looped,
+    return {"NGramAttention": ngram, "MoAAttention": moa, "SmearedKeyAttention": smeared,
+        "MoAAttention-fused": moa_fused, "SmearedKeyAttention-fused": smeared_fused, "LoopedBlock": looped,
             "ActionMap": action_map}  # fmt: skip
 
 

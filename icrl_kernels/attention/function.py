@@ -1,0 +1,140 @@
+"""Public entry point of gated, smeared causal attention and its custom-op registration."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._backend import resolve_backend
+from .._library import differentiable_op
+from .._validation import KERNEL_FLOAT_DTYPES
+from .eager import gated_attention_eager
+from .reference import check_gated_attention_args, gated_attention_reference
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: Optional[torch.Tensor],  # noqa: UP045 (torch.library parses the annotation)
+    smear_alpha: Optional[torch.Tensor],  # noqa: UP045
+    gate: str,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .kernels import gated_attention_forward_triton
+
+    return gated_attention_forward_triton(q, k, v, gate_logits, smear_alpha, gate)
+
+
+def _forward_fake(q, k, v, gate_logits, smear_alpha, gate, impl):
+    batch, heads, length, head_dim = q.shape
+    out = q.new_empty((batch, length, heads * head_dim))
+    return out, q.new_empty((batch, heads, length), dtype=torch.float32)
+
+
+def _backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: Optional[torch.Tensor],  # noqa: UP045
+    smear_alpha: Optional[torch.Tensor],  # noqa: UP045
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    gate: str,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .kernels import gated_attention_backward_triton
+
+    grad_q, grad_k, grad_v, grad_gate, grad_alpha = gated_attention_backward_triton(
+        grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate
+    )
+    # The op's schema returns tensors: an empty one stands for an absent input's gradient (autograd gets None).
+    return grad_q, grad_k, grad_v, _or_empty(grad_gate, q), _or_empty(grad_alpha, q)
+
+
+def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return grad if grad is not None else like.new_empty(0)
+
+
+def _backward_fake(grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate, impl):
+    grads = [q.new_empty(q.shape) for _ in range(3)]
+    grad_gate = gate_logits.new_empty(gate_logits.shape) if gate_logits is not None else q.new_empty(0)
+    grad_alpha = smear_alpha.new_empty(smear_alpha.shape) if smear_alpha is not None else q.new_empty(0)
+    return (*grads, grad_gate, grad_alpha)
+
+
+gated_attention_op, gated_attention_backward_op = differentiable_op(
+    "gated_attention",
+    forward=_forward,
+    forward_fake=_forward_fake,
+    backward=_backward,
+    backward_fake=_backward_fake,
+    # (q, k, v, gate_logits, smear_alpha, out, lse, gate, impl)
+    save=lambda inputs, output: (*inputs[:5], output[0], output[1], *inputs[5:]),
+    grad_inputs=(0, 1, 2, 3, 4),
+    differentiable_outputs=1,
+    traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
+)
+
+
+def gated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor | None = None,
+    *,
+    gate: str = "softmax",
+    smear_alpha: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal softmax attention with an optional per-head gate and optional smeared keys, heads merged.
+
+    ``out[b, l, h * Dh + d] = G[b, l, h] * O[b, h, l, d]`` with ``O_h = softmax(q_h k'_h^T Dh**-0.5 + causal
+    mask) v_h``, where
+
+    * ``k' = smeared_keys(k, smear_alpha)``, i.e. ``k'_j = s_h k_j + (1 - s_h) k_{j-1}`` with
+      ``s_h = sigmoid(smear_alpha[h])`` and ``k_{-1} = 0`` (``k' = k`` when ``smear_alpha`` is None);
+    * ``G = gate(gate_logits)`` as in :func:`icrl_kernels.mixture_of_heads`: softmax over heads,
+      sigmoid or the logits themselves (``"linear"``); ``G = 1`` when ``gate_logits`` is None.
+
+    On the Triton backend one flash-attention kernel does all of it: the keys are smeared as its tiles
+    are loaded and each head's output is gated before its only store, so neither the smeared keys nor the
+    ungated heads reach memory (the eager path writes both; see :mod:`icrl_kernels.attention.cost`).
+    Apply any positional rotation (RoPE) to ``q`` and ``k`` before the call.
+
+    Args:
+        q, k, v: ``[B, H, L, Dh]``, one float dtype (fp32/fp16/bf16; fp64 on the eager and reference
+            backends), one device; any strides (e.g. views of a fused QKV projection).
+        gate_logits: ``[B, L, H]`` float logits, any float dtype, or None (no gate).
+        gate: ``"softmax"``, ``"sigmoid"`` or ``"linear"``; ignored without ``gate_logits``.
+        smear_alpha: ``[H]`` float smearing logits, or None (no smearing).
+        backend: ``"auto"`` (Triton on CUDA or under ``TRITON_INTERPRET=1``, else eager), ``"triton"``
+            (the fused kernels), ``"eager"`` (``smeared_keys`` -> SDPA ``is_causal=True`` ->
+            ``mixture_of_heads``, each on its eager backend) or ``"reference"`` (dense fp32 math).
+
+    Returns:
+        ``[B, L, H * Dh]`` in ``q.dtype`` (contiguous except on the reference backend); softmax statistics
+        and accumulation in fp32. Differentiable w.r.t. ``q``, ``k``, ``v``, ``gate_logits`` and
+        ``smear_alpha``; each gradient has its input's dtype.
+
+    Raises:
+        TypeError/ValueError naming the argument: non-tensors, wrong ranks or shapes, non-float dtypes,
+        ``q``/``k``/``v`` dtypes that differ, mixed devices, an unknown ``gate`` or ``backend``, and with
+        ``backend="triton"`` fp64 inputs or a head dim above 128.
+    """
+    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
+    impl = resolve_backend(backend, q.device)
+    if impl == "reference" or q.numel() == 0:  # nothing to launch for an empty batch, head or sequence
+        return gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)
+    if impl == "eager":
+        return gated_attention_eager(q, k, v, gate_logits, gate, smear_alpha, backend="eager")
+    named = (("q", q), ("k", k), ("v", v), ("gate_logits", gate_logits), ("smear_alpha", smear_alpha))
+    for name, tensor in named:
+        if tensor is not None and tensor.dtype not in KERNEL_FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32 for backend='triton', got {tensor.dtype}")
+    if q.shape[-1] > 128:  # one head row is one register tile; wider heads would need a loop over Dh
+        raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
+    out, _ = gated_attention_op(q, k, v, gate_logits, smear_alpha, gate, impl)
+    return out
