@@ -78,14 +78,26 @@ BAD = [
     ("backend unknown", lambda: ngram_attention(H, IDS, 2, backend="cuda"), ValueError, "backend must be one of"),
     ("backend None", lambda: ngram_attention(H, IDS, 2, backend=None), ValueError, "backend must be one of"),
     ("algorithm unknown", lambda: ngram_attention(H, IDS, 2, algorithm="fast"), ValueError, "algorithm must be one of"),
-    ("tiled on eager", lambda: ngram_attention(H, IDS, 2, backend="eager", algorithm="tiled"), ValueError,
-     "algorithm='tiled' needs the Triton backend"),
+    (
+        "tiled on eager",
+        lambda: ngram_attention(H, IDS, 2, backend="eager", algorithm="tiled"),
+        ValueError,
+        "algorithm='tiled' needs the Triton backend",
+    ),
     ("plan tuple", lambda: ngram_attention(H, IDS, 2, plan=(1, 2, 3)), TypeError, "plan must be an NGramPlan"),
     ("plan other n", lambda: ngram_attention(H, IDS, 1, plan=ngram_plan(IDS, 2)), ValueError, "plan was built for n=2"),
-    ("plan other ids", lambda: ngram_attention(H, IDS, 2, plan=ngram_plan((IDS + 1) % 3, 2)), ValueError,
-     "plan was built from other ids"),
-    ("plan other shape", lambda: ngram_attention(H[:, :5], IDS[:, :5], 2, plan=ngram_plan(IDS, 2)), ValueError,
-     "plan.perm must have shape"),
+    (
+        "plan other ids",
+        lambda: ngram_attention(H, IDS, 2, plan=ngram_plan((IDS + 1) % 3, 2)),
+        ValueError,
+        "plan was built from other ids",
+    ),
+    (
+        "plan other shape",
+        lambda: ngram_attention(H[:, :5], IDS[:, :5], 2, plan=ngram_plan(IDS, 2)),
+        ValueError,
+        "plan.perm must have shape",
+    ),
     # ngram_attention_reference (the spec checks nothing beyond what its math needs; see the table below)
     # ngram_plan
     ("plan ids float", lambda: ngram_plan(IDS.float(), 2), TypeError, "ids must have dtype"),
@@ -96,14 +108,22 @@ BAD = [
     ("plan n tensor", lambda: ngram_plan(IDS, torch.tensor(2)), TypeError, "n must be an int"),
     # NGramPlan
     ("NGramPlan perm int32", _plan(perm=IDS.int()), TypeError, "plan.perm must have dtype"),
-    ("NGramPlan meta shape", _plan(meta=torch.zeros(B, L + 1, dtype=torch.uint8)), ValueError,
-     "plan.meta must have shape"),  # fmt: skip
+    (
+        "NGramPlan meta shape",
+        _plan(meta=torch.zeros(B, L + 1, dtype=torch.uint8)),
+        ValueError,
+        "plan.meta must have shape",
+    ),  # fmt: skip
     ("NGramPlan count list", _plan(count=[0] * L), TypeError, "plan.count must be a torch.Tensor"),
     ("NGramPlan ids float", _plan(ids=IDS.float()), TypeError, "ids must have dtype"),
     ("NGramPlan n zero", _plan(n=0), ValueError, "n must be >= 1"),
     ("NGramPlan n str", _plan(n="2"), TypeError, "n must be an int"),
-    ("NGramPlan meta device", _plan(meta=torch.zeros(B, L, dtype=torch.uint8, device=META)), ValueError,
-     "plan.meta is on meta"),
+    (
+        "NGramPlan meta device",
+        _plan(meta=torch.zeros(B, L, dtype=torch.uint8, device=META)),
+        ValueError,
+        "plan.meta is on meta",
+    ),
     ("NGramPlan missing ids", lambda: NGramPlan(*ngram_plan(IDS, 2)), TypeError, "ids"),
     # NGramDecodeState constructor
     ("state batch 0", _state(batch_size=0), ValueError, "batch_size must be >= 1"),
@@ -132,8 +152,12 @@ BAD = [
     ("transition num_states 0", _transition(num_states=0), ValueError, "num_states must be >= 1"),
     ("transition num_rewards float", _transition(num_rewards=3.0), TypeError, "num_rewards must be an int"),
     ("transition action too big", _transition(num_actions=2), ValueError, "actions must be < 2"),
-    ("transition overflow", _transition(num_states=2**40, num_actions=2**20, num_rewards=2**4), ValueError,
-     "num_states=1099511627776, num_actions=1048576, num_rewards=16"),
+    (
+        "transition overflow",
+        _transition(num_states=2**40, num_actions=2**20, num_rewards=2**4),
+        ValueError,
+        "num_states=1099511627776, num_actions=1048576, num_rewards=16",
+    ),
     ("transition rewards on meta", _transition(rewards=IDS.to(META)), ValueError, "rewards is on meta"),
 ]
 
