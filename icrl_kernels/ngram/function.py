@@ -131,14 +131,14 @@ TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 512, torch.float16: 1
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
 #: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it; up to
 #: ``CPU_DENSE_MAX_LENGTH_WIDE`` for features at least ``CPU_WIDE_DIM`` wide, where the sort path's
-#: per-column prefix sums cost more. Measured with ``benchmarks/ngram_cpu_crossover.py`` (forward +
-#: backward, fp32, 1 and 2 threads, 2-core VM; ``benchmarks/results/cpu-ngram-crossover.json``):
-#: N-Gram AD's B = 32, D = 64 has dense faster at L = 128 (n = 1: eager 1.4-3.5x slower) and eager faster
-#: from 256 (0.71-0.91x); B = 8, D = 512 has dense even or faster at 256 (eager 1.00-1.19x) and eager
-#: faster from 512 (0.65-0.70x). The one miss of this rule on the measured grid: D = 64, n = 2, L = 128,
-#: 1 thread, where eager was 5% faster (0.95x).
-CPU_DENSE_MAX_LENGTH = 128
-CPU_DENSE_MAX_LENGTH_WIDE = 256
+#: per-column segmented scans cost more. Measured with ``benchmarks/ngram_cpu_crossover.py`` (forward +
+#: backward, fp32, 1 and 2 threads, 2-core VM; ``benchmarks/results/cpu-ngram-crossover.json``), after
+#: the sort path's sums became segmented scans (outliers stay in their segment; 1.4-2.6x slower than the
+#: old prefix sums): N-Gram AD's B = 32, D = 64 has dense faster up to L = 256 (eager 1.27-2.98x slower,
+#: except n = 2 on 1 thread: 0.92x) and eager faster from 512 (0.38-0.90x); B = 8, D = 512 has dense
+#: faster up to 512 (eager 1.03-1.31x) and eager faster from 1024 (0.57-0.64x).
+CPU_DENSE_MAX_LENGTH = 256
+CPU_DENSE_MAX_LENGTH_WIDE = 512
 CPU_WIDE_DIM = 256
 
 #: ... as long as the dense pattern stays small: ``B * L * L`` at most this many elements (128 MiB as
