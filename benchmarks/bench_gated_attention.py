@@ -15,7 +15,10 @@ Implementations:
   1.1x of it);
 * ``eager``: the same composition with the ops' eager (PyTorch) backends;
 * ``reference``: the dense fp32-math reference differentiated by autograd (up to ``L = 1024``: its
-  ``L x L`` scores need gigabytes beyond that).
+  ``L x L`` scores need gigabytes beyond that);
+* ``compile``: ``torch.compile`` of the same composition in plain PyTorch ops (smearing as a shifted
+  blend, SDPA, the gate as a softmax and a multiply), the best Inductor can fuse around SDPA (CPU smoke
+  runs compile one case).
 
 Bytes and FLOPs: :mod:`icrl_kernels.attention.cost`, the fused model for ``triton`` and the separate-ops
 model for the others (both count what that implementation moves, not a common minimum).
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from icrl_kernels import gated_attention, gated_attention_reference, mixture_of_heads, smeared_keys
 from icrl_kernels.attention.cost import fwd_bwd_cost, separate_ops_fwd_bwd_cost
+from icrl_kernels.testing import assert_close_rel
 
 from .conftest import bench_device, select_shapes, skip_unless_runnable
 
@@ -66,7 +70,7 @@ SMOKE_SHAPES = [Shape(B=1, H=3, L=37, Dh=16, dtype="float32"), Shape(B=1, H=2, L
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 VARIANTS = {"plain": (False, False), "gated": (True, False), "smeared": (False, True), "gated-smeared": (True, True)}
-BACKENDS = ("triton", "separate", "eager", "reference")
+BACKENDS = ("triton", "separate", "eager", "reference", "compile")
 _HEADLINE_SHAPE = Shape(B=16, H=12, L=1024, Dh=64, dtype="bfloat16")
 HEADLINE = {(_HEADLINE_SHAPE, variant, backend) for variant in ("plain", "gated-smeared") for backend in
             ("triton", "separate")} | {(SMOKE_SHAPES[0], "gated-smeared", "triton")}  # fmt: skip
@@ -86,10 +90,21 @@ def _separate(q, k, v, logits, alpha):
     return heads.flatten(2) if logits is None else mixture_of_heads(heads, logits)
 
 
+def _plain_torch(q, k, v, logits, alpha):
+    """The composition in plain PyTorch ops, for ``torch.compile`` (softmax gate)."""
+    if alpha is not None:
+        blend = torch.sigmoid(alpha.float()).to(k.dtype)[:, None, None]
+        k = blend * k + (1 - blend) * F.pad(k, (0, 0, 1, 0))[:, :, :-1]
+    heads = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    if logits is not None:
+        heads = heads * torch.softmax(logits.float(), dim=-1).to(heads.dtype)[..., None]
+    return heads.flatten(2)
+
+
 @pytest.mark.parametrize("shape,variant,backend", CASES)
 def test_gated_attention_fwd_bwd(timed, benchmark, shape: Shape, variant: str, backend: str) -> None:
     device = bench_device()
-    skip_unless_runnable(backend, device)
+    skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0] and variant == "gated-smeared")
     if backend == "reference" and shape.L > 1024:
         pytest.skip("the dense reference's L x L scores need gigabytes at this length")
     gated, smeared = VARIANTS[variant]
@@ -106,6 +121,10 @@ def test_gated_attention_fwd_bwd(timed, benchmark, shape: Shape, variant: str, b
     grad_out = torch.randn(shape.B, shape.L, shape.H * shape.Dh, generator=generator).to(device, dtype)
     if backend == "separate":
         fn = _separate
+    elif backend == "compile":
+        fn = torch.compile(_plain_torch, dynamic=False)
+        expected = gated_attention_reference(q, k, v, logits, smear_alpha=alpha)
+        assert_close_rel(fn(q, k, v, logits, alpha), expected, rms_tol=3e-2, name="compiled composition")
     elif backend == "reference":
         fn = lambda *args: gated_attention_reference(*args[:4], smear_alpha=args[4])
     else:
@@ -115,7 +134,8 @@ def test_gated_attention_fwd_bwd(timed, benchmark, shape: Shape, variant: str, b
         return torch.autograd.grad(fn(q, k, v, logits, alpha), leaves, grad_out)
 
     benchmark.group = f"gated-attention-fwd-bwd {shape_id(shape)}"
-    info = {"op": "gated_attention", "backend": backend, "variant": variant, **shape._asdict()}
+    # "features", not "variant": summarize.py reads "variant" as an old name of the backend key.
+    info = {"op": "gated_attention", "backend": backend, "features": variant, **shape._asdict()}
     model = fwd_bwd_cost if backend == "triton" else separate_ops_fwd_bwd_cost
     cost = model(shape.B, shape.H, shape.L, shape.Dh, dtype=dtype, gated=gated, smeared=smeared)
     timed(step, device=device, info=info, cost=cost, dtype=dtype)

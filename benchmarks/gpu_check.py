@@ -83,6 +83,7 @@ FULL_SLICES = [
     ("full-moa", ["benchmarks/bench_moa.py", "benchmarks/bench_dt_moa.py"], None),
     ("full-looped", ["benchmarks/bench_looped.py", "benchmarks/bench_inject_layer_norm.py"], None),
     ("full-smeared", ["benchmarks/bench_smeared_keys.py"], None),
+    ("full-attention", ["benchmarks/bench_gated_attention.py"], None),
     ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py"], None),
 ]
 

@@ -168,6 +168,11 @@ OPS: dict[str, OpSpec] = {
         ours={"cuda": ("fused-sample",), "cpu": ("fused-sample",)},
         peers=(REFERENCE, "fused-argmax", "argmax"),
     ),
+    "gated_attention": OpSpec(
+        "gated causal attention (gate epilogue, smeared-key prologue), forward + backward",
+        ours=_KERNEL_OURS,
+        peers=("separate", "compile", REFERENCE),
+    ),
     "moa_attention": OpSpec(
         "MoA attention layer, forward + backward",
         ours=_KERNEL_OURS,
