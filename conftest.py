@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Under pytest-xdist (`-n N`) each worker gets an equal share of the cores: N processes each running
+# torch's default of one OpenMP thread per core oversubscribe the machine, which slowed CPU work
+# 2-25x on a shared 2-core VM.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
 
 
 def pytest_collection_modifyitems(config, items):
