@@ -95,6 +95,9 @@ for gate in ("softmax", "sigmoid", "linear"):
               lambda o, g, gate=gate: ik.mixture_of_heads_reference(o, g, gate=gate),
               torch.randn(B, L, H, D // H), torch.randn(B, L, H))  # fmt: skip
 op_parity("smeared_keys", ik.smeared_keys, ik.smeared_keys_reference, torch.randn(B, H, L, D // H), torch.randn(H))
+op_parity("gated_attention", lambda q, k, v, g, a: ik.gated_attention(q, k, v, g, smear_alpha=a),
+          lambda q, k, v, g, a: ik.gated_attention_reference(q, k, v, g, smear_alpha=a),
+          *(torch.randn(B, H, L, D // H) for _ in range(3)), torch.randn(B, L, H), torch.randn(H))  # fmt: skip
 
 
 # --- modules ----------------------------------------------------------------------------------------------------
@@ -111,6 +114,7 @@ x = torch.randn(B, L, D)
 module_smoke("NGramAttention", ik.NGramAttention(D, 2), x, ids)
 module_smoke("MoAAttention", ik.MoAAttention(D, H), x)
 module_smoke("SmearedKeyAttention", ik.SmearedKeyAttention(D, H), x)
+module_smoke("MoAAttention(attention='fused')", ik.MoAAttention(D, H, attention="fused"), x)
 module_smoke("LoopedBlock", ik.LoopedBlock(D, H, L), x, loops=2)
 action_map = ik.ActionMap(A, D)
 action_map.regenerate()
