@@ -42,6 +42,7 @@ import triton.language as tl
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
 from .._triton import autotune, launch, size_bucket
+from ..moa.kernels import _gate_weights
 from ..moa.reference import GATES
 
 #: softmax 0, sigmoid 1, linear 2 (as ``mixture_of_heads``' kernels), no gate 3.
@@ -235,17 +236,7 @@ def _gated_attention_backward_preprocess_kernel(
     store_ok = row_ok[:, None] & head_ok[None, :]
     tl.store(delta_ptr + bhl, delta, mask=store_ok)
     if GATE != 3:
-        gate_offsets = batch[:, None] * stride_gb + pos[:, None] * stride_gl + heads[None, :] * stride_gh
-        logits = tl.load(gate_ptr + gate_offsets, mask=store_ok, other=0.0).to(tl.float32)
-        if GATE == 0:
-            logits = tl.where(head_ok[None, :], logits, float("-inf"))
-            shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-            weights = shifted / tl.sum(shifted, axis=1)[:, None]
-        elif GATE == 1:
-            weights = tl.sigmoid(logits)
-        else:
-            weights = logits
-        weights = tl.where(head_ok[None, :], weights, 0.0)
+        weights = _gate_weights(gate_ptr, batch, pos, row_ok, heads, H, stride_gb, stride_gl, stride_gh, GATE)
         tl.store(weight_ptr + bhl, weights, mask=store_ok)
         # With D_h = <dY_h, Y_h> = G_h dG_h: no division by G (exact where a weight underflows to 0).
         if GATE == 0:
