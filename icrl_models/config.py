@@ -21,7 +21,7 @@ import dataclasses
 import re
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 Config = TypeVar("Config")
@@ -153,18 +153,6 @@ def make_parser(prog: str, doc: str | None, **kwargs: Any) -> argparse.ArgumentP
     as plain text (:func:`plain_text`), with its paragraphs and lists kept as written."""
     kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
     return argparse.ArgumentParser(prog=prog, description=plain_text(doc), **kwargs)
-
-
-def fill_from_preset(config: Any, presets: Mapping[str, Mapping[str, Any]]) -> None:
-    """Set every field of ``config`` that is ``None`` and named in ``presets[config.preset]`` to the preset's value.
-
-    The pattern behind ``--preset cpu|paper``: fields default to ``None`` so that an explicit flag always wins.
-    """
-    if config.preset not in presets:
-        raise ValueError(f"preset must be one of {tuple(presets)}, got {config.preset!r}")
-    for name, value in presets[config.preset].items():
-        if getattr(config, name) is None:
-            setattr(config, name, value)
 
 
 @contextlib.contextmanager

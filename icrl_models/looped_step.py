@@ -12,7 +12,7 @@ as a 0-d device tensor, so on CUDA it can be
 * compiled with ``torch.compile(train_step, mode="reduce-overhead")`` (Inductor's CUDA graphs).
 
 A graph is specific to the shapes it was captured with and to ``loops``/``grad_loops``: a curriculum that
-changes them needs one graph per stage (the trainer in :mod:`icrl_models.looped_experiment` recaptures
+changes them needs one graph per stage (the trainer in :mod:`icrl_models.experiments.looped` recaptures
 when the stage changes and keeps only the current graph).
 """
 

@@ -228,7 +228,7 @@ def test_corrupt_or_foreign_checkpoint_is_rejected(tmp_path, capsys):
 
 
 def test_expected_max_performance():
-    from icrl_models.compare import expected_max_performance
+    from icrl_models.experiments.ngram_ad import expected_max_performance
 
     scores = [0.2, 0.9, 0.5]
     emp = expected_max_performance(scores, max_assignments=50)
@@ -241,7 +241,7 @@ def test_expected_max_performance():
 
 
 def test_sample_assignment_stays_in_table_1():
-    from icrl_models.compare import sample_assignment
+    from icrl_models.experiments.ngram_ad import sample_assignment
 
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -253,7 +253,7 @@ def test_sample_assignment_stays_in_table_1():
 
 
 def test_compare_command_end_to_end(tmp_path, capsys):
-    from icrl_models.compare import main
+    from icrl_models.experiments.ngram_ad import main
 
     argv = ["--runs", "2", "--steps", "2", "--num-histories", "6", "--source-episodes", "20", "--eval-episodes", "2"]
     argv += ["--eval-envs-per-task", "1", "--backend", "eager", "--out-dir", str(tmp_path), "--no-progress"]
@@ -263,6 +263,8 @@ def test_compare_command_end_to_end(tmp_path, capsys):
     assert len(result["expected_max_performance"]["ngram_ad"]) == 2
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 2 |" in capsys.readouterr().out
+    assert result["command"] == "icrl-compare " + " ".join(argv) and result["machine"]
+    assert not list(tmp_path.glob("*.md"))  # icrl-compare prints its table; it writes no .md
 
 
 @pytest.mark.parametrize("ngram_sizes", [(), (1, 2)], ids=["ad", "ngram_ad"])

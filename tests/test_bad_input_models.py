@@ -527,9 +527,9 @@ def test_cli_missing_and_garbage_dataset(capsys, tmp_path):
 
 
 def test_cli_bugs_keep_their_traceback(monkeypatch):
-    import icrl_models.compare as compare_module
+    import icrl_models.experiments.ngram_ad as compare_module
 
-    def broken(config):
+    def broken(config, **kwargs):
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(compare_module, "compare", broken)

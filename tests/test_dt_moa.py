@@ -448,7 +448,7 @@ def test_gpt2_missing_files_and_safetensors(tmp_path, monkeypatch):
 
 
 def test_icrl_markov_tiny_end_to_end(tmp_path):
-    from icrl_models.markov_experiment import main
+    from icrl_models.experiments.markov_heads import main
 
     out = tmp_path / "markov"
     argv = ["--steps", "6", "--eval-every", "3", "--num-histories", "6", "--episodes-per-history", "3",
@@ -473,12 +473,15 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
         assert len(result["curve"]["step"]) == 3
     table = (out / "markov.md").read_text()
     assert "R_Markov" in table and "key_to_door" in table
+    assert table.startswith("Command: `icrl-markov --steps 6 ") and table.splitlines()[2].startswith("Machine: ")
+    assert report["command"] == table.splitlines()[0][len("Command: `") : -1]
+    assert "(n=2)" in table  # mean ± sd over the two seeds
     assert main(["--tasks", "nope", "--out-dir", str(out)]) == 2
 
 
 def test_icrl_markov_list_flags_and_older_comma_strings():
     from icrl_models.config import config_from_args
-    from icrl_models.markov_experiment import MarkovConfig, _listed, build_parser
+    from icrl_models.experiments.markov_heads import MarkovConfig, _listed, build_parser
 
     def parse(*argv):
         return config_from_args(MarkovConfig, build_parser().parse_args(list(argv)))
@@ -522,7 +525,7 @@ def test_icrl_markov_list_flags_and_older_comma_strings():
     ],
 )  # fmt: skip
 def test_icrl_markov_bad_list_flags_are_one_line_errors(argv, message, tmp_path, capsys):
-    from icrl_models.markov_experiment import main
+    from icrl_models.experiments.markov_heads import main
 
     try:
         status = main([*argv, "--out-dir", str(tmp_path / "markov")])
@@ -536,7 +539,7 @@ def test_icrl_markov_bad_list_flags_are_one_line_errors(argv, message, tmp_path,
 
 
 def test_icrl_markov_from_a_local_gpt2_checkpoint(tmp_path):
-    from icrl_models.markov_experiment import main
+    from icrl_models.experiments.markov_heads import main
 
     source = _write_hf_dir(tmp_path / "gpt2", _hf_gpt2_state(), fmt="safetensors")
     out = tmp_path / "markov"

@@ -12,8 +12,8 @@ import torch
 from icrl_models.data.windows import local_action_indices
 from icrl_models.envs import BernoulliBandit, CompositeDarkRoom, composite_action_sets
 from icrl_models.evaluate import rollout_in_context
-from icrl_models.headless_experiments import HeadlessExperimentConfig, run_experiment
-from icrl_models.headless_experiments import main as headless_main
+from icrl_models.experiments.headless_ad import HeadlessExperimentConfig, run_experiment
+from icrl_models.experiments.headless_ad import main as headless_main
 from icrl_models.models import ADConfig, ADModel
 from icrl_models.models.headless_ad import HeadlessADConfig, HeadlessADModel, prompt_attention_mask
 from icrl_models.train import TrainConfig, load_trained, train
@@ -172,7 +172,7 @@ def test_headless_experiment_end_to_end(tmp_path, capsys):
     """The experiment command runs (tiny sizes), writes its outputs, and reports AD as n/a on wider sets."""
     out = tmp_path / "exp"
     argv = ["--experiment", "bernoulli", "--steps", "2", "--eval-tasks", "3", "--out-dir", str(out), "--no-progress"]
-    import icrl_models.headless_experiments as experiments
+    import icrl_models.experiments.headless_ad as experiments
 
     original = experiments._BANDIT_BASE.copy()
     experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
@@ -188,6 +188,9 @@ def test_headless_experiment_end_to_end(tmp_path, capsys):
     assert all(v is not None for v in results["models"]["headless_ad"]["scores"].values())
     assert (out / "headless.png").stat().st_size > 0 and "n/a" in (out / "headless.md").read_text()
     assert "normalised score" in capsys.readouterr().out
+    lines = (out / "headless.md").read_text().splitlines()
+    assert lines[0] == "Command: `icrl-headless " + " ".join(argv) + "`" and lines[2].startswith("Machine: ")
+    assert results["command"] == "icrl-headless " + " ".join(argv)
 
 
 def test_experiment_config_errors():

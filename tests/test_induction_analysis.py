@@ -32,7 +32,7 @@ from icrl_models.analysis import (
 )
 from icrl_models.analysis.induction import causal_self_attention_pattern
 from icrl_models.config import config_from_args
-from icrl_models.induction_experiment import (
+from icrl_models.experiments.induction_heads import (
     UNIFORM_BASELINE,
     AttentionOnlyTransformer,
     InductionConfig,
@@ -324,6 +324,10 @@ def test_experiment_cli_and_config_errors(tmp_path, capsys):
                  "--d-model", "8", "--num-heads", "2", "--eval-batch", "2", "--batch-size", "2",
                  "--backend", "eager", "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     assert "1L-smear" in capsys.readouterr().out and (out / "induction.json").exists()
+    # The command as the user typed it (the default subcommand is not added); no induction.md is written.
+    written = json.loads((out / "induction.json").read_text())
+    assert written["command"].startswith("icrl-induction --variants 1L-smear --steps 2 ") and written["machine"]
+    assert not list(out.glob("*.md"))
     assert main(["--variants", "3X", "--out-dir", str(out)]) == 2
     assert "icrl-induction: error: variants: each variant must look like 1L" in capsys.readouterr().err
     assert main(["--variants", "1L", "2X", "--out-dir", str(out)]) == 2

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from icrl_kernels import LoopedBlock
 from icrl_kernels.testing import assert_close_rel
+from icrl_models.experiments.looped import main as looped_main
 from icrl_models.function_classes import (
     Curriculum,
     FunctionClassConfig,
@@ -21,7 +22,6 @@ from icrl_models.function_classes import (
     normalized_squared_error,
     sample_prompts,
 )
-from icrl_models.looped_experiment import main as looped_main
 from icrl_models.models.looped import LoopedConfig, LoopedTransformer, interleave_prompt
 
 
@@ -318,7 +318,11 @@ def test_icrl_looped_end_to_end(tmp_path, capsys):
     assert code == 0
     report = json.loads((tmp_path / "looped.json").read_text())
     assert (tmp_path / "looped.png").stat().st_size > 0
-    assert "| least_squares |" in (tmp_path / "looped.md").read_text()
+    markdown = (tmp_path / "looped.md").read_text()
+    assert "| least_squares |" in markdown
+    # The summary starts with how it was made (the command as typed, the machine), as does the JSON.
+    assert markdown.startswith("Command: `icrl-looped --steps 6 --batch-size 8 ") and "\n\nMachine: " in markdown
+    assert report["command"].startswith("icrl-looped --steps 6 ") and f"torch {torch.__version__}" in report["machine"]
     evaluation = report["evaluation"]
     assert set(evaluation["error_at_k"]) == {"least_squares", "averaging", "3nn", "looped", "unlooped"}
     assert len(evaluation["looped_error_vs_loops_at_k"]) == 6  # eval_loop_factor * trained b
@@ -340,6 +344,6 @@ def test_icrl_looped_resumes_exactly(tmp_path):
         assert resumed["training"][model]["eval_steps"] == [2, 3, 4, 6]  # 3: the end of the first run
     assert resumed["evaluation"]["error_at_k"] == straight["evaluation"]["error_at_k"]
     with pytest.raises(Exception, match="another run configuration"):
-        from icrl_models.looped_experiment import LoopedExperimentConfig, run_experiment
+        from icrl_models.experiments.looped import LoopedExperimentConfig, run_experiment
 
         run_experiment(LoopedExperimentConfig(steps=6, d_model=32, out_dir=str(tmp_path / "resumed")))

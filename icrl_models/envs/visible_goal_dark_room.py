@@ -6,7 +6,7 @@ after ``episode_length`` steps); only the observation differs. It is the pair ``
 packed into one id, ``observation = cell + size**2 * goal`` (``size**4`` observations), so the
 current observation alone determines an optimal action: no memory is needed. This is the short-term
 counterpart of hidden-goal Dark Room and Key-to-Door in the Markov-head experiment
-(:mod:`icrl_models.markov_experiment`). Models that embed the two parts separately split the id with
+(:mod:`icrl_models.experiments.markov_heads`). Models that embed the two parts separately split the id with
 ``divmod(observation, size**2)`` (:attr:`VisibleGoalDarkRoom.observation_parts`).
 """
 

@@ -13,13 +13,12 @@ batch and optimiser. Then, on ``eval_prompts`` fresh prompts:
 Presets: ``cpu`` (the paper's analysis setting d = 5, k = 10 with a narrow model; minutes on a laptop)
 and ``paper`` (d = 20, k = 40, D = 256, 8 heads, a 12-layer unlooped baseline, the official
 curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``looped.json``,
-``looped.md`` and ``looped.png``.
+``looped.md`` (the command line, the machine and the summary) and ``looped.png``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -29,10 +28,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ._cli import command_line, resolve_device
-from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
-from .config import add_config_arguments, config_from_args, fill_from_preset, make_parser, torch_threads
-from .function_classes import (
+from .._cli import command_line, resolve_device
+from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
+from ..function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
     Curriculum,
@@ -41,8 +40,17 @@ from .function_classes import (
     normalized_squared_error,
     sample_prompts,
 )
-from .looped_step import make_graphed_train_step, make_optimizer, prepare_capturable, set_learning_rate, train_step
-from .models.looped import LoopedConfig, LoopedTransformer
+from ..looped_step import make_graphed_train_step, make_optimizer, prepare_capturable, set_learning_rate, train_step
+from ..models.looped import LoopedConfig, LoopedTransformer
+from .harness import (
+    command_string,
+    fill_from_preset,
+    machine_description,
+    pyplot,
+    run_folder,
+    warmup_then_constant,
+    write_results,
+)
 
 PRESETS: dict[str, dict] = {
     # The paper's Section 5 setting (d = 5, k = 10) shrunk to a 2-core budget: D = 64 instead of 256,
@@ -204,7 +212,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     pending: list[tuple[torch.Tensor, float]] = []
     graph, graph_key = None, None
     for step in progress:
-        set_learning_rate(optimizer, config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps)))
+        set_learning_rate(optimizer, warmup_then_constant(step, config.learning_rate, config.warmup_steps))
         active_dims = config.dims_schedule().value(step)
         xs, ys = sample_prompts(
             function_class, config.batch_size, config.points_schedule().value(step),
@@ -286,15 +294,15 @@ def evaluate(config: LoopedExperimentConfig, looped_model, unlooped_model) -> di
     }
 
 
-def run_experiment(config: LoopedExperimentConfig) -> dict:
-    """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report."""
+def run_experiment(config: LoopedExperimentConfig, *, command: str | None = None) -> dict:
+    """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report.
+    ``command``: the command line recorded in ``looped.json`` and ``looped.md`` (default: this process's)."""
     with torch_threads(config.threads):
-        return _run_experiment(config)
+        return _run_experiment(config, command)
 
 
-def _run_experiment(config: LoopedExperimentConfig) -> dict:
-    out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict:
+    out_dir = run_folder(config.out_dir)
     looped_model, looped_history = train_model(config, looped=True)
     unlooped_model, unlooped_history = (None, None) if config.skip_unlooped else train_model(config, looped=False)
     evaluation_start = time.perf_counter()
@@ -325,8 +333,8 @@ def _run_experiment(config: LoopedExperimentConfig) -> dict:
         "device": str(config.device),
         "torch": torch.__version__,
     }
-    (out_dir / "looped.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "looped.md").write_text(format_summary(report) + "\n")
+    write_results(out_dir, "looped", report, format_summary(report), command=command,
+                  machine=machine_description(resolve_device(config.device)))  # fmt: skip
     plot_results(report, out_dir / "looped.png")
     return report
 
@@ -366,11 +374,7 @@ def format_summary(report: dict) -> str:
 def plot_results(report: dict, path: Path) -> None:
     """Three panels: error vs in-context examples (all methods), error vs loops (looped model), and the
     error at ``k`` during training (both models)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     evaluation = report["evaluation"]
     figure, (left, right, curves) = plt.subplots(1, 3, figsize=(16, 4), dpi=120)
     for name, values in evaluation["error_vs_examples"].items():
@@ -401,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("icrl-looped", __doc__)
     add_config_arguments(parser, LoopedExperimentConfig)
     args = parser.parse_args(argv)
-    report = run_experiment(config_from_args(LoopedExperimentConfig, args))
+    report = run_experiment(config_from_args(LoopedExperimentConfig, args), command=command_string("icrl-looped", argv))
     print(format_summary(report))
     print(f"wrote {Path(args.out_dir) / 'looped.json'}, looped.md and looped.png")
     return 0

@@ -17,7 +17,8 @@ Every ``eval_every`` steps each model is scored on a fixed batch of TransformerL
 (``eval_seq_len`` random distinct tokens repeated twice, no BOS; :mod:`icrl_models.analysis`):
 per-head previous-token, duplicate-token and induction scores, OV copying scores, the loss on the
 predictable second repeat and the in-context learning score. At the end: head importance by zero
-ablation. Outputs in ``out_dir``: ``induction.json`` (config, curves, final scores, wall times) and
+ablation. Outputs in ``out_dir``: ``induction.json`` (command line, machine, config, curves, final
+scores, wall times) and
 ``induction.png`` (best induction score and second-repeat loss against training steps).
 
 ``icrl-induction ad-report --run-dir DIR`` scores the attention blocks of a trained AD / N-Gram AD run
@@ -45,8 +46,8 @@ from tqdm.auto import tqdm
 from icrl_kernels._backend import BACKENDS
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 
-from ._cli import command_line
-from .analysis.induction import (
+from .._cli import command_line
+from ..analysis.induction import (
     attention_sites,
     capture_attention,
     detection_patterns,
@@ -60,7 +61,8 @@ from .analysis.induction import (
     scores_by_site,
     uniform_causal_pattern,
 )
-from .config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from .harness import command_string, machine_description, pyplot, run_folder, warmup_then_constant, write_results
 
 
 @dataclass
@@ -191,7 +193,7 @@ def next_token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tenso
 
 def learning_rate_at(step: int, config: InductionConfig) -> float:
     """Linear warm-up, then constant: a decaying rate would blur where the phase change happens."""
-    return config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
+    return warmup_then_constant(step, config.learning_rate, config.warmup_steps)
 
 
 @dataclass
@@ -324,11 +326,7 @@ def plot_phase_change(results: dict[str, dict], path: Path, *, threshold: float,
     (:func:`icrl_models.plots.plot_curves` plots against ``1..points`` on one axis; the phase change
     needs the step axis and both quantities on it.)
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True)
     for name, result in results.items():
         curves = result["curves"]
@@ -351,15 +349,15 @@ def plot_phase_change(results: dict[str, dict], path: Path, *, threshold: float,
     plt.close(figure)
 
 
-def run_experiment(config: InductionConfig) -> dict:
-    """Train every variant, write ``induction.json`` and ``induction.png`` into ``out_dir``; return the results."""
+def run_experiment(config: InductionConfig, *, command: str | None = None) -> dict:
+    """Train every variant, write ``induction.json`` and ``induction.png`` into ``out_dir``; return the results.
+    ``command``: the command line recorded in ``induction.json`` (default: this process's)."""
     with torch_threads(config.num_threads):
-        return _run_experiment(config)
+        return _run_experiment(config, command)
 
 
-def _run_experiment(config: InductionConfig) -> dict:
-    out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _run_experiment(config: InductionConfig, command: str | None) -> dict:
+    out_dir = run_folder(config.out_dir)
     start = time.perf_counter()
     tokens = repeated_random_tokens(
         config.eval_batch, config.eval_seq_len, config.vocab_size, generator=torch.Generator().manual_seed(12345)
@@ -386,7 +384,8 @@ def _run_experiment(config: InductionConfig) -> dict:
         "results": results,
         "wall_seconds": time.perf_counter() - start,
     }
-    (out_dir / "induction.json").write_text(json.dumps(report, indent=1))
+    # The models train on the CPU (tiny: no device option); no induction.md, the table goes to stdout.
+    write_results(out_dir, "induction", report, None, command=command, machine=machine_description("cpu"))
     log_vocab = math.log(config.vocab_size)
     plot_phase_change(results, out_dir / "induction.png", threshold=config.threshold, log_vocab=log_vocab)
     return report
@@ -439,10 +438,10 @@ def ad_report(run_dir: str | Path, *, repeat_episodes: int = 2, num_windows: int
       (step ``seq_len - 1`` minus step ``episode_length // 2``), and head importance (increase of the
       action loss when one head is zeroed).
     """
-    from .checkpoint import load_checkpoint
-    from .data import HistoryWindows, load_histories
-    from .models.ad import ADModel, action_loss
-    from .train import TrainConfig
+    from ..checkpoint import load_checkpoint
+    from ..data import HistoryWindows, load_histories
+    from ..models.ad import ADModel, action_loss
+    from ..train import TrainConfig
 
     run_dir = Path(run_dir)
     config = TrainConfig(**json.loads((run_dir / "config.json").read_text()))
@@ -539,7 +538,7 @@ def format_ad_report(report: dict) -> str:
 
 
 def _phase_change_command(args: argparse.Namespace) -> int:
-    report = run_experiment(config_from_args(InductionConfig, args))
+    report = run_experiment(config_from_args(InductionConfig, args), command=args.command_line)
     print(format_summary(report))
     print(f"wrote {Path(args.out_dir) / 'induction.json'} and {Path(args.out_dir) / 'induction.png'}")
     return 0
@@ -573,9 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
 @command_line("icrl-induction")
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = command_string("icrl-induction", argv)  # as the user typed it, before the default is inserted
     if not argv or argv[0] not in ("phase-change", "ad-report", "-h", "--help"):
         argv.insert(0, "phase-change")  # the experiment is the default command
     args = build_parser().parse_args(argv)
+    args.command_line = command  # (args.command is the subcommand's name)
     return args.handler(args)
 
 

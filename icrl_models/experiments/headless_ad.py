@@ -21,13 +21,13 @@ as in the paper; it is reported "n/a" elsewhere (the paper retrains AD for those
 Presets: ``cpu`` (default) fits a 2-core laptop in minutes per model; ``paper`` uses the paper's
 Tables 3-4 (our choice of steps and batch size: the tables do not give them) and wants a GPU.
 Outputs in ``--out-dir``: one run folder per model (as ``icrl-train`` writes), ``headless.json``,
-``headless.md`` (the table) and ``headless.png`` (scores per evaluation set).
+``headless.md`` (the command line, the machine and the table) and ``headless.png`` (scores per
+evaluation set).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -35,10 +35,18 @@ from pathlib import Path
 
 import numpy as np
 
-from ._cli import command_line
-from .config import add_config_arguments, config_from_args, make_parser
-from .data import generate_histories, save_histories
-from .train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
+from .._cli import command_line
+from ..config import add_config_arguments, config_from_args, make_parser
+from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
+from .harness import (
+    cached_dataset,
+    check_preset,
+    command_string,
+    machine_description,
+    pyplot,
+    run_folder,
+    write_results,
+)
 
 EXPERIMENTS = ("bernoulli", "contextual", "darkroom")
 PRESETS = ("cpu", "paper")
@@ -137,8 +145,7 @@ class HeadlessExperimentConfig:
     def __post_init__(self) -> None:
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
+        check_preset(self.preset, PRESETS)
 
 
 def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str, TrainConfig]:
@@ -153,17 +160,15 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
     configs = {name: dataclasses.replace(c, **overrides) for name, c in configs.items()}
     if not config.baseline:
         del configs["ad"]
-    if not data.exists():  # both models distil the same histories
-        first = next(iter(configs.values()))
-        generate = first.generate_config("train", first.num_histories, first.source_episodes)
-        save_histories(generate_histories(generate, progress=config.progress), data)
+    # Both models distil the same histories.
+    cached_dataset(data, next(iter(configs.values())), progress=config.progress)
     return configs
 
 
-def run_experiment(config: HeadlessExperimentConfig) -> dict:
-    """Train, evaluate on every set of :data:`EVAL_SETS`, write the JSON, table and plot; return the results."""
-    out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
+    """Train, evaluate on every set of :data:`EVAL_SETS`, write the JSON, table and plot; return the results.
+    ``command``: the command line recorded in ``headless.json`` and ``headless.md`` (default: this process's)."""
+    out_dir = run_folder(config.out_dir)
     results: dict = {"config": dataclasses.asdict(config), "models": {}}
     for name, train_config in _train_configs(config, out_dir).items():
         start = time.perf_counter()
@@ -184,9 +189,8 @@ def run_experiment(config: HeadlessExperimentConfig) -> dict:
             "train_seconds": round(train_seconds, 1),
             "total_seconds": round(time.perf_counter() - start, 1),
         }
-    (out_dir / "headless.json").write_text(json.dumps(results, indent=1))
-    table = results_table(results)
-    (out_dir / "headless.md").write_text(table + "\n")
+    machine = machine_description(resolve_device(config.device, 0))
+    write_results(out_dir, "headless", results, results_table(results), command=command, machine=machine)
     plot_scores(results, out_dir / "headless.png")
     return results
 
@@ -214,11 +218,7 @@ def results_table(results: dict) -> str:
 
 def plot_scores(results: dict, path: Path) -> None:
     """Grouped bars: the metric of every model on every evaluation set (n/a left empty)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     experiment = results["config"]["experiment"]
     set_names = [name for name, _ in EVAL_SETS[experiment]]
     names = list(results["models"])
@@ -243,7 +243,8 @@ def plot_scores(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("icrl-headless", __doc__)
     add_config_arguments(parser, HeadlessExperimentConfig)
-    results = run_experiment(config_from_args(HeadlessExperimentConfig, parser.parse_args(argv)))
+    config = config_from_args(HeadlessExperimentConfig, parser.parse_args(argv))
+    results = run_experiment(config, command=command_string("icrl-headless", argv))
     print(results_table(results))
     return 0
 

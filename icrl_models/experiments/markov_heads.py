@@ -36,8 +36,9 @@ and after training (the ratio of Definition 4.1), the mean MoA weight per head (
 over state tokens, on held-out windows), ``G_Markov`` (with the heads that were Markov at
 initialisation), its course over training (the paper's Appendix G), head importance by zero-ablation,
 and the trained policy's mean return against the data's, a random policy's and the optimum. With
-several ``k``, ``R_Markov = G_Markov(k) / G_Markov(first k)`` as in Tables 5-6. Outputs in
-``--out-dir`` (default ``runs/markov``): ``markov.json``, ``markov.md`` (tables) and ``markov.png``.
+several ``k``, ``R_Markov = G_Markov(k) / G_Markov(first k)`` as in Tables 5-6. Numbers over seeds read
+``mean ± sample sd (n=seeds)``. Outputs in ``--out-dir`` (default ``runs/markov``): ``markov.json``,
+``markov.md`` (the command line, the machine and the tables) and ``markov.png``.
 
 Presets: ``cpu`` (default; a tiny model, about 10 minutes on one CPU thread) and ``paper``
 (GPT-2-small-sized, 12 layers x 12 heads x 768, ``k = 10..50``, for a GPU).
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -58,14 +58,26 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ._cli import command_line
-from ._cli import resolve_device as _resolve_device
-from .analysis.markov import MarkovReport, g_markov, markov_heads
-from .config import add_config_arguments, as_tuple, config_from_args, fill_from_preset, make_parser, torch_threads
-from .envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
-from .envs.base import BatchedEnv
-from .generators import NoiseDistillation, RandomAgent, collect_histories
-from .models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
+from .._cli import command_line
+from .._cli import resolve_device as _resolve_device
+from ..analysis.markov import MarkovReport, g_markov, markov_heads
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
+from ..envs.base import BatchedEnv
+from ..generators import NoiseDistillation, RandomAgent, collect_histories
+from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
+from .harness import (
+    command_string,
+    fill_from_preset,
+    format_stats,
+    machine_description,
+    preset_help,
+    pyplot,
+    run_folder,
+    seed_stats,
+    warmup_then_constant,
+    write_results,
+)
 
 PRESETS = ("cpu", "paper")
 #: task name -> (horizon, what the observation lacks)
@@ -114,10 +126,7 @@ PRESET_VALUES = {
 
 
 def _preset_help(name: str, text: str = "") -> str:
-    """``text`` and the default of a field the preset fills in, per preset (as typed on the command line)."""
-    shown = {preset: values[name] for preset, values in PRESET_VALUES.items()}
-    shown = {preset: " ".join(map(str, v)) if isinstance(v, tuple) else str(v) for preset, v in shown.items()}
-    return f"{text} (default: from --preset, {', '.join(f'{p} {v}' for p, v in shown.items())})".strip()
+    return preset_help(PRESET_VALUES, name, text)
 
 
 @dataclass
@@ -338,7 +347,7 @@ def _is_backbone(name: str) -> bool:
 
 def learning_rate_at(step: int, config: MarkovConfig) -> float:
     """Linear warm-up, then constant (the official Decision Transformer's schedule)."""
-    return config.learning_rate * min(1.0, (step + 1) / max(1, config.warmup_steps))
+    return warmup_then_constant(step, config.learning_rate, config.warmup_steps)
 
 
 def _markov_summary(report: MarkovReport) -> dict:
@@ -462,16 +471,16 @@ def run_task(
 # --- the whole experiment ---------------------------------------------------------------------------------
 
 
-def run_experiment(config: MarkovConfig) -> dict:
-    """Train and analyse every (task, k); write ``markov.json``, ``markov.md`` and ``markov.png``."""
+def run_experiment(config: MarkovConfig, *, command: str | None = None) -> dict:
+    """Train and analyse every (task, k); write ``markov.json``, ``markov.md`` and ``markov.png``.
+    ``command``: the command line recorded in ``markov.json`` and ``markov.md`` (default: this process's)."""
     with torch_threads(config.num_threads):
-        return _run_experiment(config)
+        return _run_experiment(config, command)
 
 
-def _run_experiment(config: MarkovConfig) -> dict:
+def _run_experiment(config: MarkovConfig, command: str | None) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
-    out_dir = Path(config.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = run_folder(config.out_dir)
     device = resolve_device(config.device)
     results = []
     for seed in config.seed_list():
@@ -491,8 +500,8 @@ def _run_experiment(config: MarkovConfig) -> dict:
         # On a CPU shared with other jobs the wall time overstates the cost; this is this process's CPU time.
         "cpu_seconds": time.process_time() - cpu_start,
     }
-    (out_dir / "markov.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "markov.md").write_text(format_tables(report) + "\n")
+    write_results(out_dir, "markov", report, format_tables(report), command=command,
+                  machine=machine_description(device))  # fmt: skip
     plot_markov(report, out_dir / "markov.png")
     return report
 
@@ -500,12 +509,6 @@ def _run_experiment(config: MarkovConfig) -> dict:
 def _g(result: dict, key: str = "g_markov_init_heads") -> float:
     """G_Markov summed over the gated layers."""
     return float(sum(result[key].values()))
-
-
-def _stats(values) -> dict:
-    values = np.asarray(values, dtype=np.float64)
-    std = float(values.std(ddof=1)) if values.size > 1 else 0.0
-    return {"mean": float(values.mean()), "std": std, "values": values.tolist()}
 
 
 def summarize(results: list[dict]) -> dict:
@@ -519,26 +522,20 @@ def summarize(results: list[dict]) -> dict:
         summary.setdefault(key[0], {})[str(key[1])] = {
             "horizon": first["horizon"],
             "seeds": [r["seed"] for r in group],
-            "g_markov_at_init": _stats([sum(r["g_markov_at_init"].values()) for r in group]),
-            "g_markov": _stats([_g(r) for r in group]),
-            "g_markov_state_tokens": _stats([_g(r, "g_markov_init_heads_state_tokens") for r in group]),
-            "g_markov_final_heads": _stats([_g(r, "g_markov_final_heads") for r in group]),
+            "g_markov_at_init": seed_stats([sum(r["g_markov_at_init"].values()) for r in group]),
+            "g_markov": seed_stats([_g(r) for r in group]),
+            "g_markov_state_tokens": seed_stats([_g(r, "g_markov_init_heads_state_tokens") for r in group]),
+            "g_markov_final_heads": seed_stats([_g(r, "g_markov_final_heads") for r in group]),
             "gate_weights_all_tokens_mean": gates,
             "head_importance_mean": np.mean([r["head_importance"] for r in group], axis=0).tolist(),
             "markov_heads_still_markov": [
                 r["markov_after"]["markov_heads"] == r["markov_before"]["markov_heads"] for r in group
             ],  # fmt: skip
-            **{f"return_{name}": _stats([r["returns"][name] for r in group]) for name in first["returns"]},
-            "held_out_loss": _stats([r["held_out_loss"] for r in group]),
-            "train_seconds": _stats([r["train_seconds"] for r in group]),
+            **{f"return_{name}": seed_stats([r["returns"][name] for r in group]) for name in first["returns"]},
+            "held_out_loss": seed_stats([r["held_out_loss"] for r in group]),
+            "train_seconds": seed_stats([r["train_seconds"] for r in group]),
         }
     return summary
-
-
-def _pm(stats: dict, digits: int = 3) -> str:
-    if len(stats["values"]) == 1:
-        return f"{stats['mean']:.{digits}f}"
-    return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f}"
 
 
 def _paired_lines(summary: dict, k: str) -> list[str]:
@@ -553,10 +550,8 @@ def _paired_lines(summary: dict, k: str) -> list[str]:
         where = "all tokens" if name == "g_markov" else "state tokens"
         for task in long:
             diff = np.subtract(summary[short[0]][k][name]["values"], summary[task][k][name]["values"])
-            stats = _stats(diff)
-            lines.append(
-                f"- {short[0]} - {task} ({where}): per seed {[round(float(v), 3) for v in diff]}, mean {_pm(stats)}"
-            )
+            per_seed = [round(float(v), 3) for v in diff]
+            lines.append(f"- {short[0]} - {task} ({where}): per seed {per_seed}, mean {format_stats(seed_stats(diff))}")
     return lines
 
 
@@ -601,12 +596,11 @@ def format_tables(report: dict) -> str:
     ]
     for task in tasks:
         s = summary[task][str(first_k)]
-        lines.append(
-            f"| {task} | {s['horizon']} | {_pm(s['return_model'], 2)} | {_pm(s['return_data_mean'], 2)} | "
-            f"{_pm(s['return_data_last_tenth'], 2)} | {_pm(s['return_random'], 2)} | {_pm(s['return_optimal'], 2)} | "
-            f"{_pm(s['held_out_loss'])} | {_pm(s['g_markov_at_init'])} | {_pm(s['g_markov'])} | "
-            f"{_pm(s['g_markov_state_tokens'])} |"
-        )
+        returns = [format_stats(s[f"return_{name}"], 2) for name in ("model", "data_mean", "data_last_tenth",
+                                                                       "random", "optimal")]  # fmt: skip
+        losses_and_g = [format_stats(s[name]) for name in ("held_out_loss", "g_markov_at_init", "g_markov",
+                                                           "g_markov_state_tokens")]  # fmt: skip
+        lines.append(f"| {task} | {s['horizon']} | " + " | ".join(returns + losses_and_g) + " |")
     lines += [
         "",
         "Per seed, G_Markov trained: "
@@ -655,7 +649,8 @@ def format_tables(report: dict) -> str:
             for task in tasks:
                 s, base = summary[task][str(k)], summary[task][str(ks[0])]["g_markov"]["mean"]
                 ratio = s["g_markov"]["mean"] / base if base else math.nan
-                cells.append(f"{_pm(s['return_model'], 2)} | {_pm(s['g_markov'])} | {100 * ratio:.1f}%")
+                model_return, g = format_stats(s["return_model"], 2), format_stats(s["g_markov"])
+                cells.append(f"{model_return} | {g} | {100 * ratio:.1f}%")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -663,11 +658,9 @@ def format_tables(report: dict) -> str:
 def plot_markov(report: dict, path: Path) -> None:
     """Left: MoA weight per head (first gated layer, mean over seeds) per task, Markov heads hatched.
     Right: G_Markov against training steps per task, mean over seeds (the paper's Appendix G)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    plt = pyplot()
 
     results, summary = report["results"], report["summary"]
     first_k = min(r["k"] for r in results)
@@ -716,12 +709,14 @@ def plot_markov(report: dict, path: Path) -> None:
 
 
 def format_summary(report: dict) -> str:
-    lines = [f"{'task':<18} {'k':>3} {'return':>13} {'data':>6} {'random':>6} {'G_init':>7} {'G_trained':>15}"]
+    """A plain-text table of the summary (mean ± sd over seeds) and the run's time."""
+    lines = [f"{'task':<18} {'k':>3} {'return':>18} {'data':>6} {'random':>6} {'G_init':>7} {'G_trained':>21}"]
     for task, by_k in report["summary"].items():
         for k, s in by_k.items():
+            model_return, g = format_stats(s["return_model"], 2), format_stats(s["g_markov"])
             lines.append(
-                f"{task:<18} {k:>3} {_pm(s['return_model'], 2):>13} {s['return_data_mean']['mean']:>6.2f} "
-                f"{s['return_random']['mean']:>6.2f} {s['g_markov_at_init']['mean']:>7.3f} {_pm(s['g_markov']):>15}"
+                f"{task:<18} {k:>3} {model_return:>18} {s['return_data_mean']['mean']:>6.2f} "
+                f"{s['return_random']['mean']:>6.2f} {s['g_markov_at_init']['mean']:>7.3f} {g:>21}"
             )
     lines.append(f"total {report['wall_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU")
     return "\n".join(lines)
@@ -737,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(MarkovConfig, args)
-    report = run_experiment(config)
+    report = run_experiment(config, command=command_string("icrl-markov", argv))
     print(format_summary(report))
     out_dir = Path(config.out_dir)
     print(f"wrote {out_dir / 'markov.json'}, {out_dir / 'markov.md'} and {out_dir / 'markov.png'}")

@@ -4,27 +4,25 @@ Both models train on the same data budget (one dataset: the same training goals 
 the same randomly drawn hyperparameter assignments (the paper's Table 1 space, paired draws), and
 each run is scored by its final in-context return on held-out goals as a fraction of the source
 algorithm's. Expected Max Performance (Dodge et al., 2019) then says how good the best model is
-expected to be after ``n`` assignments: the paper's Figure 2. Writes ``compare.json`` and
-``compare.png`` into the output folder and prints a table.
+expected to be after ``n`` assignments: the paper's Figure 2. Writes ``compare.json`` (with the
+command line and machine) and ``compare.png`` into the output folder and prints a table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from ._cli import command_line
-from .config import add_config_arguments, as_tuple, config_from_args, make_parser
-from .data import generate_histories, save_histories
-from .data.generate import ENV_NAMES
-from .plots import plot_curves
-from .train import TrainConfig, train
+from .._cli import command_line
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..data.generate import ENV_NAMES
+from ..plots import plot_curves
+from ..train import TrainConfig, train
+from .harness import cached_dataset, command_string, run_folder, write_results
 
 
 def expected_max_performance(scores, max_assignments: int | None = None) -> np.ndarray:
@@ -88,19 +86,18 @@ class CompareConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def compare(config: CompareConfig) -> dict:
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def compare(config: CompareConfig, *, command: str | None = None) -> dict:
+    """Run the sweep (both models on every assignment), write ``compare.json`` and ``compare.png``, print
+    the Expected Max Performance table; returns the results. ``command``: the command line recorded in
+    ``compare.json`` (default: this process's)."""
+    out = run_folder(config.out_dir)
     base = TrainConfig(
         env=config.env, num_histories=config.num_histories, num_train_tasks=config.num_train_tasks,
         source_episodes=config.source_episodes, ngram_sizes=config.ngram_sizes, backend=config.backend,
         steps=config.steps, eval_episodes=config.eval_episodes, eval_envs_per_task=config.eval_envs_per_task,
         seed=config.seed, progress=config.progress, threads=config.threads, compile=config.compile,
     )  # fmt: skip
-    data = out / "train.icrl"
-    if not data.exists():
-        generate = base.generate_config("train", base.num_histories, base.source_episodes)
-        save_histories(generate_histories(generate, progress=config.progress), data)
+    data = cached_dataset(out / "train.icrl", base, progress=config.progress)  # one data budget for both models
     rng = np.random.default_rng(config.seed)
     assignments = [sample_assignment(rng) for _ in range(config.runs)]
     scores: dict[str, list[float]] = {"ad": [], "ngram_ad": []}
@@ -118,7 +115,7 @@ def compare(config: CompareConfig) -> dict:
         "expected_max_performance": emp,
         "config": dataclasses.asdict(config),
     }
-    (out / "compare.json").write_text(json.dumps(result, indent=1))
+    write_results(out, "compare", result, None, command=command)  # no compare.md: the table goes to stdout
     plot_curves(
         {model: np.asarray(curve)[None] for model, curve in emp.items()},
         out / "compare.png",
@@ -136,7 +133,7 @@ def compare(config: CompareConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser("icrl-compare", __doc__)
     add_config_arguments(parser, CompareConfig)
-    compare(config_from_args(CompareConfig, parser.parse_args(argv)))
+    compare(config_from_args(CompareConfig, parser.parse_args(argv)), command=command_string("icrl-compare", argv))
     return 0
 
 
