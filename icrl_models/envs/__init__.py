@@ -4,6 +4,7 @@
 :class:`DarkRoom`                   9x9 grid, invisible goal, reward on every step on it (AD)
 :class:`VisibleGoalDarkRoom`        Dark Room with the goal in the observation (a Markov, short-term task)
 :class:`KeyToDoor`                  9x9 grid, invisible key then door, random start (AD)
+:class:`CueCorridor`                T-maze: a cue seen once decides the turn (a memory task)
 :class:`CompositeDarkRoom`          Darkroom with 125 three-move actions and action sets (Headless-AD)
 :class:`BernoulliBandit`            Bernoulli arms, 300 pulls, variable arm counts (Headless-AD)
 :class:`ContextualBandit`           linear contextual bandit with Gaussian rewards (Headless-AD)
@@ -29,6 +30,7 @@ from .composite_dark_room import (
     action_name,
     composite_action_sets,
 )
+from .cue_corridor import CueCorridor
 from .dark_room import DarkRoom
 from .grid import MOVE_NAMES, centre_cell
 from .gym import GYM_IDS, SingleEnv, register_gymnasium_envs
@@ -49,6 +51,7 @@ __all__ = [
     "BernoulliBandit",
     "CompositeDarkRoom",
     "ContextualBandit",
+    "CueCorridor",
     "DarkRoom",
     "KeyToDoor",
     "SingleEnv",
