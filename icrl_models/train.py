@@ -94,8 +94,12 @@ class TrainConfig:
     )
     ngram_tokens: str = dataclasses.field(default="state", metadata={"help": "state or transition ids"})
     embed_dim: int = dataclasses.field(default=64, metadata={"help": "headless_ad: random action embedding width"})
-    tau: float = dataclasses.field(default=1.0, metadata={"help": "headless_ad: InfoNCE / selection temperature"})
+    tau: float = dataclasses.field(default=1.0, metadata={"help": "headless_ad: InfoNCE temperature"})
     action_prompt: bool = dataclasses.field(default=True, metadata={"help": "headless_ad: prepend the action set"})
+    step_tokens: str = dataclasses.field(
+        default="joint",
+        metadata={"help": "headless_ad: joint (one token per step) or separate (action, reward, state)"},
+    )
     seq_len: int = 100
     d_model: int = 64
     num_heads: int = 4
@@ -132,6 +136,9 @@ class TrainConfig:
     eval_action_set: str = dataclasses.field(default="train", metadata={"help": "composite Darkroom: eval set"})
     eval_every: int = dataclasses.field(default=0, metadata={"help": "also evaluate every N steps (0: at the end)"})
     sample_actions: bool = dataclasses.field(default=True, metadata={"help": "sample (else argmax) at evaluation"})
+    select_tau: float | None = dataclasses.field(
+        default=None, metadata={"help": "headless_ad: sampling temperature at evaluation (default: --tau)"}
+    )
     # -- run ---------------------------------------------------------------------------------------
     out_dir: str = dataclasses.field(default="runs/main", metadata={"help": "run folder"})
     checkpoint_every: int = 500
@@ -168,6 +175,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if self.select_tau is not None and not self.select_tau > 0:
+            raise ValueError(f"select_tau must be > 0 (or unset: tau), got {self.select_tau}")
         if any(n < 1 for n in self.ngram_sizes):  # checked before any data is generated
             raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
 
@@ -209,7 +218,10 @@ class TrainConfig:
             "backend": self.backend,
         }
         if self.model == "headless_ad":
-            return HeadlessADConfig(embed_dim=self.embed_dim, tau=self.tau, action_prompt=self.action_prompt, **shared)
+            return HeadlessADConfig(
+                embed_dim=self.embed_dim, tau=self.tau, select_tau=self.select_tau, action_prompt=self.action_prompt,
+                step_tokens=self.step_tokens, **shared,
+            )  # fmt: skip
         high_reward = env["reward_range"][1]
         return ADConfig(
             num_actions=int(histories.action_sets.shape[1]),  # one output per action-set position
@@ -240,6 +252,8 @@ def run_identity(config: TrainConfig) -> dict:
     before it became a list still resume."""
     identity = {name: getattr(config, name) for name in RUN_IDENTITY_FIELDS}
     identity["ngram_sizes"] = ",".join(str(n) for n in config.ngram_sizes)
+    if config.step_tokens != "joint":  # added later: compared only when set, so earlier runs still resume
+        identity["step_tokens"] = config.step_tokens
     return identity
 
 

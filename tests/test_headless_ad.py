@@ -12,7 +12,7 @@ import torch
 from icrl_models.data.windows import local_action_indices
 from icrl_models.envs import BernoulliBandit, CompositeDarkRoom, composite_action_sets
 from icrl_models.evaluate import rollout_in_context
-from icrl_models.experiments.headless_ad import HeadlessExperimentConfig, run_experiment
+from icrl_models.experiments.headless_ad import ABLATION_ARMS, ABLATIONS, HeadlessExperimentConfig, run_experiment
 from icrl_models.experiments.headless_ad import main as headless_main
 from icrl_models.models import ADConfig, ADModel
 from icrl_models.models.headless_ad import HeadlessADConfig, HeadlessADModel, prompt_attention_mask
@@ -23,6 +23,8 @@ VARIANTS = {
     "post-norm": {"pre_norm": False, "qk_norm": True},
     "no-prompt": {"action_prompt": False},
     "vector-observations": {"observation_dim": 3},
+    "separate-tokens": {"step_tokens": "separate"},
+    "separate-tokens-no-prompt": {"step_tokens": "separate", "action_prompt": False},
 }
 
 
@@ -198,7 +200,87 @@ def test_experiment_config_errors():
         HeadlessExperimentConfig(experiment="atari")
     with pytest.raises(ValueError, match="preset"):
         HeadlessExperimentConfig(preset="huge")
+    with pytest.raises(ValueError, match="ablations"):
+        HeadlessExperimentConfig(ablations=("bigger",))
+    with pytest.raises(ValueError, match="ablations"):
+        HeadlessExperimentConfig(experiment="contextual", ablations=("preset",))
+    with pytest.raises(ValueError, match="select_temperatures"):
+        HeadlessExperimentConfig(ablations=("preset",), select_temperatures=(0.0,))
+    assert HeadlessExperimentConfig(ablations=("all",)).ablations == tuple(ABLATIONS)
     assert callable(run_experiment)
+
+
+def test_step_tokens_and_select_tau_errors():
+    with pytest.raises(ValueError, match="step_tokens"):
+        HeadlessADConfig(step_tokens="interleaved")
+    with pytest.raises(ValueError, match="select_tau"):
+        HeadlessADConfig(select_tau=0.0)
+    with pytest.raises(ValueError, match="select_tau"):
+        TrainConfig(model="headless_ad", select_tau=-1.0)
+
+
+def test_separate_tokens_read_each_step_at_its_state_token():
+    """With separate tokens a step's prediction depends on its own action, reward and state and on earlier
+    steps only: changing step t's inputs changes no earlier prediction and does change step t's."""
+    torch.manual_seed(0)
+    model = _model(step_tokens="separate", seq_len=16)
+    states, prev_actions, prev_rewards, available, _ = _context(model, 2, 9, 5, seed=3)
+    model.action_map.regenerate(num_actions=5, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base = model(states, prev_actions, prev_rewards, available)
+        changed_rewards = prev_rewards.clone()
+        changed_rewards[:, 4] += 3.0
+        changed = model(states, prev_actions, changed_rewards, available)
+    torch.testing.assert_close(changed[:, :4], base[:, :4])
+    assert (changed[:, 4] - base[:, 4]).abs().max() > 1e-3
+    assert model.token_projection is None and base.shape == (2, 9, model.config.embed_dim)
+
+
+def test_cold_sampling_picks_the_most_similar_action():
+    """``select_tau`` only changes sampling: near 0 it equals argmax; at the training tau it does not."""
+    torch.manual_seed(0)
+    model = _model(select_tau=1e-4)
+    with torch.no_grad():  # similarity gaps of order 1, not an untrained model's tiny ones
+        model.prediction_head.weight.mul_(20.0)
+    states, prev_actions, prev_rewards, available, _ = _context(model, 64, 5, 6, seed=2)
+
+    def picks(sample: bool) -> torch.Tensor:
+        state = model.init_decode_state(64, 5, available=available, generator=torch.Generator().manual_seed(0))
+        generator = torch.Generator().manual_seed(5)
+        return torch.stack([
+            model.act(state, states[:, t], prev_actions[:, t], prev_rewards[:, t], available=available,
+                      sample=sample, generator=generator)
+            for t in range(5)
+        ])  # fmt: skip
+
+    argmax = picks(sample=False)
+    torch.testing.assert_close(picks(sample=True), argmax)
+    model.config.select_tau = None  # back to the training tau (1): sampling spreads over the actions
+    assert (picks(sample=True) != argmax).float().mean() > 0.1
+
+
+def test_ablations_command_end_to_end(tmp_path, capsys):
+    """``--ablations`` trains each variant on the same data and tabulates every temperature and arm count."""
+    out = tmp_path / "abl"
+    import icrl_models.experiments.headless_ad as experiments
+
+    original = experiments._BANDIT_BASE.copy()
+    experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
+    argv = ["--ablations", "preset", "no action-set prompt", "--select-temperatures", "1", "0.5", "--eval-seeds",
+            "1", "2", "--steps", "2", "--eval-tasks", "3", "--out-dir", str(out), "--no-progress"]  # fmt: skip
+    try:
+        assert headless_main(argv) == 0
+    finally:
+        experiments._BANDIT_BASE.clear()
+        experiments._BANDIT_BASE.update(original)
+    results = json.loads((out / "headless-ablations.json").read_text())
+    assert list(results["ablations"]) == ["preset", "no action-set prompt"]
+    row = results["ablations"]["preset"]["scores"]["0.5"]
+    assert set(row) == set(ABLATION_ARMS) and row["50"]["n"] == 2
+    table = (out / "headless-ablations.md").read_text()
+    assert table.startswith("Command: `icrl-headless --ablations preset")
+    assert table.count("| no action-set prompt |") == 2 and "gap" in capsys.readouterr().out
+    assert len(list((out / "ablations").iterdir())) == 2
 
 
 @pytest.mark.parametrize("model", ["headless_ad", "ad"])

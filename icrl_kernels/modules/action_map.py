@@ -136,12 +136,16 @@ class ActionMap(nn.Module):
         mode: str = "sample",
         mask: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
+        tau: float | None = None,
     ) -> torch.Tensor:
-        """:func:`~icrl_kernels.select_actions` against the map: action ids of shape ``pred.shape[:-1]``."""
+        """:func:`~icrl_kernels.select_actions` against the map: action ids of shape ``pred.shape[:-1]``.
+
+        ``tau``: the sampling temperature, default the map's (the training temperature)."""
         check_tensor(pred, "pred", dtypes=FLOAT_DTYPES)
+        tau = self.tau if tau is None else check_positive_float(tau, "tau")
         embeddings = self._map().to(pred.dtype)
         return select_actions(
-            pred, embeddings, mode=mode, tau=self.tau, mask=mask, generator=generator, backend=self.backend
+            pred, embeddings, mode=mode, tau=tau, mask=mask, generator=generator, backend=self.backend
         )
 
     def forward(

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from .._cli import command_line
-from ..config import add_config_arguments, config_from_args, make_parser
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 from .harness import (
     cached_dataset,
@@ -45,6 +45,7 @@ from .harness import (
     machine_description,
     pyplot,
     run_folder,
+    seed_stats,
     write_results,
 )
 
@@ -71,6 +72,24 @@ EVAL_SETS: dict[str, list[tuple[str, dict]]] = {
         for name in ("train", "permuted_train", "sliced_test", "test", "all")
     ],
 }
+
+#: Bernoulli ablations (``--ablations``): why does Headless-AD trained on 4-20 arms lose its score on more
+#: arms? Each is the preset's Headless-AD with these training-config overrides, on the same histories; the
+#: paper's values are noted where ours differ (its code also reads a step as separate action and reward
+#: tokens and samples at temperature 1 after training at tau 1.34).
+ABLATIONS: dict[str, dict] = {
+    "preset": {},
+    "tau 1.34 (paper)": {"tau": 1.34},
+    "embedding width 128 (paper)": {"embed_dim": 128},
+    "no action-set prompt": {"action_prompt": False},
+    "beta1 0.68 (paper)": {"beta1": 0.68},
+    "learning rate 3e-4": {"learning_rate": 3e-4},
+    "4000 steps": {"steps": 4000},
+    "d_model 128, 4 blocks, 8 heads": {"d_model": 128, "num_layers": 4, "num_heads": 8},
+    "separate action, reward, state tokens (paper)": {"step_tokens": "separate"},
+}
+#: Arm counts the ablations are scored on (uniform means): the training counts, then more arms.
+ABLATION_ARMS = ("4-20", "20", "30", "50")
 
 _BANDIT_BASE = {
     "num_histories": 10000,
@@ -141,11 +160,37 @@ class HeadlessExperimentConfig:
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
+    ablations: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": f"bernoulli: train these Headless-AD variants instead ('all' or any of {tuple(ABLATIONS)}) "
+                  "and write headless-ablations.json/.md", "metavar": "NAME"},
+    )  # fmt: skip
+    select_temperatures: tuple[float, ...] = dataclasses.field(
+        default=(1.0, 0.5, 0.25),
+        metadata={"help": "ablations: sampling temperatures tried at evaluation, as fractions of each model's tau"},
+    )
+    eval_seeds: tuple[int, ...] = dataclasses.field(
+        default=(1, 2, 3), metadata={"help": "ablations: evaluation seeds (each a fresh set of --eval-tasks bandits)"}
+    )
 
     def __post_init__(self) -> None:
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")
         check_preset(self.preset, PRESETS)
+        self.ablations = as_tuple(self.ablations, str, "ablations")
+        self.select_temperatures = as_tuple(self.select_temperatures, float, "select_temperatures")
+        self.eval_seeds = as_tuple(self.eval_seeds, int, "eval_seeds")
+        if "all" in self.ablations:
+            self.ablations = tuple(ABLATIONS)
+        unknown = [name for name in self.ablations if name not in ABLATIONS]
+        if unknown:
+            raise ValueError(f"ablations must be 'all' or names from {tuple(ABLATIONS)}, got {unknown}")
+        if self.ablations and self.experiment != "bernoulli":
+            raise ValueError(f"ablations run on the bernoulli experiment only, got experiment={self.experiment!r}")
+        if not self.select_temperatures or min(self.select_temperatures) <= 0:
+            raise ValueError(f"select_temperatures must be one or more numbers > 0, got {self.select_temperatures}")
+        if not self.eval_seeds or min(self.eval_seeds) < 0:
+            raise ValueError(f"eval_seeds must be one or more ints >= 0, got {self.eval_seeds}")
 
 
 def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str, TrainConfig]:
@@ -193,6 +238,66 @@ def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = No
     write_results(out_dir, "headless", results, results_table(results), command=command, machine=machine)
     plot_scores(results, out_dir / "headless.png")
     return results
+
+
+def run_ablations(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
+    """Train every variant of ``config.ablations`` on the same histories; score each on uniform bandits with
+    :data:`ABLATION_ARMS` arms, at every sampling temperature of ``config.select_temperatures`` (fractions of
+    its tau), over ``config.eval_seeds``; write ``headless-ablations.json`` / ``.md``; return the results."""
+    out_dir = run_folder(config.out_dir)
+    preset = _train_configs(dataclasses.replace(config, baseline=False), out_dir)["headless_ad"]
+    device = resolve_device(config.device, 0)
+    results: dict = {"config": dataclasses.asdict(config), "arms": list(ABLATION_ARMS), "ablations": {}}
+    for name in config.ablations:
+        slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+        train_config = dataclasses.replace(preset, **ABLATIONS[name], out_dir=str(out_dir / "ablations" / slug))
+        start = time.perf_counter()
+        train(train_config)
+        rows = {}
+        for fraction in config.select_temperatures:
+            scored = dataclasses.replace(train_config, select_tau=fraction * train_config.tau)
+            model, histories = load_trained(scored, device)
+            rows[str(fraction)] = {}
+            for arms in ABLATION_ARMS:
+                eval_config = dataclasses.replace(scored, eval_distribution="uniform", eval_num_arms=arms)
+                values = [
+                    run_evaluation(model, eval_config, histories, seed=seed).summary["normalized_score"]
+                    for seed in config.eval_seeds
+                ]
+                rows[str(fraction)][arms] = seed_stats(values)
+        results["ablations"][name] = {
+            "overrides": ABLATIONS[name],
+            "scores": rows,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    write_results(
+        out_dir, "headless-ablations", results, ablations_table(results), command=command,
+        machine=machine_description(device),
+    )  # fmt: skip
+    return results
+
+
+def ablations_table(results: dict) -> str:
+    """Markdown: one row per (ablation, sampling temperature), the normalised score per arm count (mean ± sd
+    over evaluation seeds) and the gap between the unseen counts (30 and 50 arms) and the training counts."""
+    arms = results["arms"]
+    seeds = results["config"]["eval_seeds"]
+    lines = [
+        f"Normalised score on uniform Bernoulli bandits (0 random, 1 Thompson sampling), mean ± sd over "
+        f"{len(seeds)} evaluation seeds ({results['config']['eval_tasks']} bandits each); one training seed "
+        f"({results['config']['seed']}). Temperature: sampling temperature as a fraction of the model's tau. "
+        "Gap: mean over 30 and 50 arms minus 4-20 arms.",
+        "",
+        f"| ablation | temperature | {' | '.join(f'{a} arms' for a in arms)} | gap |",
+        "|---|---|" + "---|" * (len(arms) + 1),
+    ]
+    for name, entry in results["ablations"].items():
+        for fraction, row in entry["scores"].items():
+            cells = [f"{row[a]['mean']:.2f} ± {row[a]['std']:.2f}" for a in arms]
+            unseen = [row[a]["mean"] for a in arms if a not in ("4-20", "20")]
+            gap = float(np.mean(unseen)) - row["4-20"]["mean"]
+            lines.append(f"| {name} | {fraction} | {' | '.join(cells)} | {gap:+.2f} |")
+    return "\n".join(lines)
 
 
 def _metric(summary: dict, experiment: str) -> float:
@@ -244,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("icrl-headless", __doc__)
     add_config_arguments(parser, HeadlessExperimentConfig)
     config = config_from_args(HeadlessExperimentConfig, parser.parse_args(argv))
+    if config.ablations:
+        print(ablations_table(run_ablations(config, command=command_string("icrl-headless", argv))))
+        return 0
     results = run_experiment(config, command=command_string("icrl-headless", argv))
     print(results_table(results))
     return 0
