@@ -151,7 +151,9 @@ def evaluate(
 
     The summary's ``final_return`` is the model's mean return over its last ``final_episodes``
     in-context episodes; ``source_final_return`` the source algorithm's over its last 10 of
-    ``source_episodes`` episodes, learned from scratch on the same tasks.
+    ``source_episodes`` episodes, learned from scratch on the same tasks. Environments with a
+    ``success_return`` (Key-to-Door) add ``final_success_rate`` and ``source_final_success_rate``: the
+    fraction of those episodes that reached it.
     """
     final_episodes = min(final_episodes, num_episodes)
     model_returns = rollout_in_context(model, make_env(seed), num_episodes, sample=sample, seed=seed, progress=progress)
@@ -182,6 +184,13 @@ def evaluate(
         "num_tasks": int(np.unique(source_env.task_ids()).size),
         "num_envs": int(source_env.num_envs),
     }
+    if source_env.success_return is not None:  # the fraction of final episodes that solved the task
+        report.summary["final_success_rate"] = float(
+            (model_returns[:, -final_episodes:] >= source_env.success_return).mean()
+        )
+        report.summary["source_final_success_rate"] = float(
+            (source_returns[:, -10:] >= source_env.success_return).mean()
+        )
     return report
 
 

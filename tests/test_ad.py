@@ -180,6 +180,27 @@ def test_training_run_writes_its_outputs(tmp_path):
     assert summary["fraction_of_optimal"] == pytest.approx(summary["final_return"] / report["optimal_return"])
 
 
+def test_key_to_door_evaluation_reports_success_rates(monkeypatch):
+    """Success = an episode that reached the door after the key (return 2); Dark Room has no such notion."""
+    import icrl_models.evaluate as evaluation
+    from icrl_models.envs import DarkRoom, KeyToDoor
+    from icrl_models.generators import make_agent
+
+    returns = np.array([[0.0, 2.0, 2.0], [1.0, 1.0, 2.0]])  # [envs, episodes]
+    monkeypatch.setattr(evaluation, "rollout_in_context", lambda *args, **kwargs: returns)
+    report = evaluation.evaluate(
+        None, lambda seed: KeyToDoor.from_task_ids([0, 82], seed=seed), num_episodes=3,
+        source=make_agent("random"), source_episodes=12, final_episodes=2,
+    )  # fmt: skip
+    assert report.summary["final_success_rate"] == 0.75  # last two episodes: [2, 2] and [1, 2]
+    assert 0.0 <= report.summary["source_final_success_rate"] <= 1.0
+    report = evaluation.evaluate(
+        None, lambda seed: DarkRoom([3, 7], seed=seed), num_episodes=3, source=make_agent("random"),
+        source_episodes=12, final_episodes=2,
+    )  # fmt: skip
+    assert "final_success_rate" not in report.summary
+
+
 def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
     straight = _tiny_train_config(tmp_path / "straight", eval_episodes=1)
     train(straight)

@@ -69,6 +69,8 @@ class BatchedEnv:
     num_observations: int = 0
     observation_dim: int = 0
     reward_range: tuple[float, float] = (0.0, 1.0)
+    #: An episode whose return reaches this counts as solved (success rates); ``None``: no such notion.
+    success_return: float | None = None
 
     def __init__(self, num_envs: int, num_actions: int, episode_length: int, seed: int | None) -> None:
         self.num_envs = check_positive_int(num_envs, "num_envs")

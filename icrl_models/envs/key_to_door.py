@@ -27,6 +27,7 @@ class KeyToDoor(BatchedEnv):
     """
 
     name = "key_to_door"
+    success_return = 2.0  # the key, then the door
     reward_range = (0.0, 2.0)
 
     def __init__(self, keys, doors, *, size: int = 9, episode_length: int = 50, seed: int | None = None) -> None:

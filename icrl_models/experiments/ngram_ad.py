@@ -1,28 +1,100 @@
 """``icrl-compare``: AD against N-Gram AD over a random hyperparameter sweep, as in the N-gram paper.
 
-Both models train on the same data budget (one dataset: the same training goals and histories) with
-the same randomly drawn hyperparameter assignments (the paper's Table 1 space, paired draws), and
-each run is scored by its final in-context return on held-out goals as a fraction of the source
-algorithm's. Expected Max Performance (Dodge et al., 2019) then says how good the best model is
-expected to be after ``n`` assignments: the paper's Figure 2. Writes ``compare.json`` (with the
-command line and machine) and ``compare.png`` into the output folder and prints a table.
+The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
+
+* **Settings.** A setting is a data budget: ``num_train_tasks`` training goals (the rest of the grid's
+  goals are held out) and ``num_histories`` learning histories of the source algorithm (Q-learning) on
+  them. ``--num-train-tasks 10 20 30 --num-histories 1000`` is the bottom row of Figure 2 (Dark Room);
+  ``--env key_to_door --num-train-tasks 100 --num-histories 500 750 1000 --episode-length 40`` is
+  Figure 3 (Key-to-Door).
+* **Seeds.** Every setting runs for every seed of ``--seeds``. A seed fixes the dataset (histories
+  generated with that seed, cached per setting and seed in ``train.icrl``; the split of goals into
+  training and held-out ones is the environment's fixed split), the hyperparameter draws, the models'
+  initialisation and the evaluation rollouts.
+* **Trials.** Per (setting, seed), ``runs`` assignments are drawn from the paper's Table 1 space, and
+  AD and N-Gram AD each train once per assignment (paired draws): one trial is one ordinary
+  ``icrl-train`` run in its own run folder (:func:`run_trial`); a trial whose folder already holds a
+  finished run is not trained again, so a killed sweep resumes where it stopped.
+* **Score.** A trial's score is its final in-context return on held-out goals as a fraction of the
+  source algorithm's final return on the same goals (``fraction_of_source``). Key-to-Door's return is
+  0, 1 (key) or 2 (key, then door); its success rate (episodes that reached the door) is reported
+  where the evaluation summary holds it, for the model and for Q-learning.
+* **Expected Max Performance** (Dodge et al., 2019): the expected best score after ``n`` assignments,
+  per (setting, seed, model), then mean ± sample sd over seeds per ``n``.
+
+Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
+training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
+750 / 1000 histories, episodes of 40 steps, 3 seeds) are sized for a 2-core CPU (few short runs per
+setting, a small evaluation); ``goals-paper`` and ``key-to-door-paper`` use the paper's 10K gradient
+steps per run and its 500 (Dark Room) / 400 (Key-to-Door) assignments. The paper does not state its
+model width or depth; those presets keep this project's model (width 64, 4 heads, 2 attention blocks).
+
+Outputs in ``out_dir``: ``<stem>.json`` (the command line, the machine, every trial, EMP per seed and
+over seeds), ``<stem>.md`` (per setting: EMP at n = 1, 2, 4, ... runs, the best single run, the source's
+numbers; then one row per trial) and ``<stem>.png`` (one panel per setting: EMP against assignments,
+mean line and a ± sd band over seeds). The stem is ``ngram-ad-goals`` for the goals presets and
+``key-to-door`` for the Key-to-Door presets. Without ``--preset`` (one setting, one seed by default)
+the command writes ``compare.json`` and ``compare.png`` and prints its table.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .._cli import command_line
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..data.generate import ENV_NAMES
-from ..plots import plot_curves
+from ..envs.splits import DEFAULT_NUM_TRAIN_TASKS
 from ..train import TrainConfig, train
-from .harness import cached_dataset, command_string, run_folder, write_results
+from .harness import (
+    cached_dataset,
+    command_string,
+    fill_from_preset,
+    format_stats,
+    preset_help,
+    pyplot,
+    run_folder,
+    seed_stats,
+    write_results,
+)
+
+MODELS = {"ad": "AD", "ngram_ad": "N-Gram AD"}
+ENV_TITLES = {"dark_room": "Dark Room", "key_to_door": "Key-to-Door"}
+
+# Shared by the CPU presets: a few short runs per setting and a small evaluation (20 held-out tasks, one
+# rollout each, 20 in-context episodes). Estimate, not a measurement: a whole preset is 3 settings x 3 seeds
+# x 4 assignments x 2 models = 72 trials x 300 steps x ~0.2 s a step (benchmarks/results/cpu-ad.json: 146 to
+# 235 ms at 200-step windows, batch 32) ~ 72 minutes of training, plus data and evaluation.
+_CPU = dict(runs=4, steps=300, seeds=(0, 1, 2), source_episodes=200, eval_tasks=20, eval_episodes=20,
+            eval_envs_per_task=1, d_model=64, num_heads=4, num_layers=2, batch_size=32)  # fmt: skip
+# The paper: 10K gradient steps per run; every held-out goal of Dark Room; Key-to-Door evaluates on 100
+# of its 6461 held-out tasks (our choice: the paper does not say).
+_PAPER = dict(steps=10_000, seeds=(0, 1, 2), source_episodes=200, eval_episodes=60, eval_envs_per_task=4,
+              d_model=64, num_heads=4, num_layers=2, batch_size=32)  # fmt: skip
+_GOALS = dict(env="dark_room", num_train_tasks=(10, 20, 30), num_histories=(1000,), episode_length=0)
+_KEY_TO_DOOR = dict(env="key_to_door", num_train_tasks=(100,), num_histories=(500, 750, 1000), episode_length=40)
+
+PRESETS: dict[str, dict] = {
+    "goals": {**_GOALS, **_CPU, "out_dir": "runs/ngram-ad-goals"},
+    "key-to-door": {**_KEY_TO_DOOR, **_CPU, "out_dir": "runs/key-to-door"},
+    "goals-paper": {**_GOALS, **_PAPER, "runs": 500, "eval_tasks": 0, "out_dir": "runs/ngram-ad-goals-paper"},
+    "key-to-door-paper": {**_KEY_TO_DOOR, **_PAPER, "runs": 400, "eval_tasks": 100,
+                          "out_dir": "runs/key-to-door-paper"},
+}  # fmt: skip
+#: Without ``--preset``: one setting (the environment's default split, 1000 histories), one seed.
+DEFAULTS: dict = dict(env="dark_room", num_train_tasks=None, num_histories=(1000,), seeds=(0,), runs=8, steps=1500,
+                      source_episodes=200, episode_length=0, eval_tasks=0, eval_episodes=40, eval_envs_per_task=2,
+                      d_model=64, num_heads=4, num_layers=2, batch_size=32, out_dir="runs/compare")  # fmt: skip
+RESULT_STEMS = {"goals": "ngram-ad-goals", "goals-paper": "ngram-ad-goals", "key-to-door": "key-to-door",
+                "key-to-door-paper": "key-to-door"}  # fmt: skip
 
 
 def expected_max_performance(scores, max_assignments: int | None = None) -> np.ndarray:
@@ -38,6 +110,31 @@ def expected_max_performance(scores, max_assignments: int | None = None) -> np.n
     ranks = np.arange(1, count + 1)[None, :]
     weights = (ranks / count) ** n - ((ranks - 1) / count) ** n
     return weights @ values
+
+
+def emp_over_seeds(scores_by_seed: Mapping[int, Sequence[float | None]], max_assignments: int) -> dict | None:
+    """Expected Max Performance per seed and its mean ± sd over seeds, for ``n = 1..max_assignments``.
+
+    ``scores_by_seed``: seed -> the scores of that seed's trials of one model; ``None`` or NaN scores (a
+    source that never scored, so no fraction) are left out, and a seed with no score left is skipped.
+    Returns ``{"per_seed": {seed: curve}, "mean": [...], "std": [...], "seeds": [...]}`` (``std``: sample
+    standard deviation, 0 for one seed; see :func:`~icrl_models.experiments.harness.seed_stats`), or None
+    when no seed has a score.
+    """
+    curves = {}
+    for seed, scores in scores_by_seed.items():
+        kept = [s for s in scores if s is not None and not math.isnan(s)]
+        if kept:
+            curves[seed] = expected_max_performance(kept, max_assignments).tolist()
+    if not curves:
+        return None
+    stats = [seed_stats([curve[n] for curve in curves.values()]) for n in range(max_assignments)]
+    return {
+        "per_seed": {str(seed): curve for seed, curve in curves.items()},
+        "mean": [s["mean"] for s in stats],
+        "std": [s["std"] for s in stats],
+        "seeds": list(curves),
+    }
 
 
 def sample_assignment(rng: np.random.Generator) -> dict:
@@ -56,77 +153,344 @@ def sample_assignment(rng: np.random.Generator) -> dict:
     }
 
 
+_ALL_PRESETS = {"none": DEFAULTS, **PRESETS}  # for the --help texts
+
+
+def _field(name: str, text: str, **metadata):
+    """A preset-filled field: ``None`` until :meth:`CompareConfig.__post_init__` fills it."""
+    return dataclasses.field(default=None, metadata={"help": preset_help(_ALL_PRESETS, name, text), **metadata})
+
+
 @dataclass
 class CompareConfig:
-    """The sweep; fields not listed here come from :class:`TrainConfig`'s defaults (``--steps`` etc.)."""
+    """The sweep; ``None`` fields take the preset's value (without a preset: :data:`DEFAULTS`). Model knobs
+    not listed here come from :class:`TrainConfig`'s defaults or from the Table 1 draw."""
 
-    runs: int = dataclasses.field(default=8, metadata={"help": "hyperparameter assignments per model"})
-    steps: int = dataclasses.field(default=1500, metadata={"help": "gradient steps per run"})
-    env: str = "dark_room"
-    num_histories: int = dataclasses.field(default=1000, metadata={"help": "data budget: histories"})
-    num_train_tasks: int | None = dataclasses.field(default=None, metadata={"help": "data budget: training goals"})
-    source_episodes: int = 200
+    preset: str | None = dataclasses.field(
+        default=None, metadata={"help": f"one of {tuple(PRESETS)} (default: none, one setting and one seed)"}
+    )
+    env: str | None = _field("env", f"one of {ENV_NAMES}")
+    num_train_tasks: tuple[int, ...] | None = _field(
+        "num_train_tasks", "training goals, one setting each (none: the environment's default split)"
+    )
+    num_histories: tuple[int, ...] | None = _field("num_histories", "learning histories, one setting each")
+    seeds: tuple[int, ...] | None = _field("seeds", "seeds: datasets and draws", aliases=("--seed",))
+    runs: int | None = _field("runs", "hyperparameter assignments per model, setting and seed")
+    steps: int | None = _field("steps", "gradient steps per run")
+    batch_size: int | None = _field("batch_size", "windows per gradient step")
+    d_model: int | None = _field("d_model", "model width")
+    num_heads: int | None = _field("num_heads", "attention heads")
+    num_layers: int | None = _field("num_layers", "softmax-attention blocks")
+    source_episodes: int | None = _field("source_episodes", "episodes per generated history")
+    episode_length: int | None = _field("episode_length", "steps per episode (0: the environment's default)")
+    eval_tasks: int | None = _field("eval_tasks", "held-out tasks to evaluate on (0: all)")
+    eval_episodes: int | None = _field("eval_episodes", "in-context episodes per evaluation rollout")
+    eval_envs_per_task: int | None = _field("eval_envs_per_task", "evaluation rollouts per held-out task")
+    out_dir: str | None = _field("out_dir", "output folder")
     ngram_sizes: tuple[int, ...] = (1, 2)
     backend: str = dataclasses.field(default="auto", metadata={"help": "n-gram kernels (see icrl-train)"})
-    eval_episodes: int = 40
-    eval_envs_per_task: int = 2
-    out_dir: str = "runs/compare"
-    seed: int = 0
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
 
     def __post_init__(self) -> None:
+        if self.preset is not None:
+            fill_from_preset(self, PRESETS)
+        for name, value in DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
+        for name in ("num_train_tasks", "num_histories", "seeds"):
+            value = getattr(self, name)
+            if value is not None:
+                value = as_tuple(value, int, name)
+                low = 0 if name == "seeds" else 1
+                if not value or min(value) < low or len(set(value)) != len(value):
+                    raise ValueError(f"{name} must be distinct ints >= {low}, got {value!r}")
+                setattr(self, name, value)
         # Checked here, before the sweep generates data, not when the first TrainConfig is built.
         if self.env not in ENV_NAMES:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
-        for name in ("runs", "steps", "num_histories", "source_episodes", "eval_episodes", "eval_envs_per_task"):
+        for name in ("runs", "steps", "batch_size", "d_model", "num_heads", "num_layers", "source_episodes",
+                     "eval_episodes", "eval_envs_per_task"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("episode_length", "eval_tasks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the default), got {getattr(self, name)}")
+
+    def settings(self) -> list[tuple[int | None, int]]:
+        """The ``(num_train_tasks, num_histories)`` data budgets, in sweep order."""
+        return list(itertools.product(self.num_train_tasks or (None,), self.num_histories))
+
+    def result_stem(self) -> str:
+        return RESULT_STEMS.get(self.preset, "compare")
+
+
+@dataclass
+class Trial:
+    """One training run of the sweep: which setting, seed, model and assignment, and its config."""
+
+    setting: tuple[int | None, int]
+    seed: int
+    model: str
+    index: int
+    assignment: dict
+    config: TrainConfig
+
+
+def _setting_folder(out: Path, config: CompareConfig, setting: tuple[int | None, int], seed: int) -> Path:
+    # One setting and one seed without a preset keep the flat layout of earlier versions (out/train.icrl,
+    # out/ad-000, ...), so that their run folders are found and reused.
+    if config.preset is None and len(config.settings()) == 1 and len(config.seeds) == 1:
+        return out
+    goals = "default" if setting[0] is None else setting[0]
+    return out / f"goals{goals}-histories{setting[1]}" / f"seed{seed}"
+
+
+def draw_assignments(seeds: Sequence[int], runs: int) -> dict[int, list[dict]]:
+    """seed -> ``runs`` Table 1 draws from ``np.random.default_rng(seed)`` (the same for both models)."""
+    draws = {}
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        draws[seed] = [sample_assignment(rng) for _ in range(runs)]
+    return draws
+
+
+def build_trials(config: CompareConfig) -> list[Trial]:
+    """Every trial of the sweep, in order: settings, then seeds, then assignments, then AD before N-Gram AD.
+
+    Generates nothing: each trial's ``config.data`` names the ``train.icrl`` of its (setting, seed), which
+    :func:`prepare_data` writes. A seed draws the same assignments in every setting."""
+    out = Path(config.out_dir)
+    draws = draw_assignments(config.seeds, config.runs)
+    trials = []
+    for setting in config.settings():
+        for seed in config.seeds:
+            folder = _setting_folder(out, config, setting, seed)
+            base = TrainConfig(
+                env=config.env, data=str(folder / "train.icrl"), num_histories=setting[1],
+                num_train_tasks=setting[0], source_episodes=config.source_episodes,
+                episode_length=config.episode_length or None, ngram_sizes=config.ngram_sizes,
+                backend=config.backend, steps=config.steps, batch_size=config.batch_size, d_model=config.d_model,
+                num_heads=config.num_heads, num_layers=config.num_layers, eval_episodes=config.eval_episodes,
+                eval_envs_per_task=config.eval_envs_per_task, eval_tasks=config.eval_tasks or None, seed=seed,
+                progress=config.progress, threads=config.threads, compile=config.compile,
+            )  # fmt: skip
+            for index, assignment in enumerate(draws[seed]):
+                for model in MODELS:
+                    run_dir = str(folder / f"{model}-{index:03d}")
+                    run = dataclasses.replace(base, model=model, out_dir=run_dir, **assignment)
+                    trials.append(Trial(setting, seed, model, index, assignment, run))
+    return trials
+
+
+def prepare_data(trials: Sequence[Trial], *, progress: bool = True) -> None:
+    """Generate each (setting, seed)'s training histories once (:func:`cached_dataset`); existing files are kept."""
+    done = set()
+    for trial in trials:
+        if trial.config.data not in done:
+            run_folder(Path(trial.config.data).parent)
+            cached_dataset(trial.config.data, trial.config, progress=progress)
+            done.add(trial.config.data)
+
+
+def _number(value) -> float | None:
+    """A JSON-safe score: NaN (no source return to divide by) becomes None."""
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def run_trial(config: TrainConfig) -> dict:
+    """Train and evaluate one run (``icrl-train`` with ``config``) and score it.
+
+    A run whose folder already holds its finished result is not trained again: :func:`train` returns the
+    stored evaluation (``status`` ``"reused"``; ``"trained"`` otherwise). Returns ``{"score"
+    (fraction_of_source, None if undefined), "success_rate", "source_final_return",
+    "source_success_rate" (None where the evaluation gives no success rate), "status", "wall_seconds",
+    "summary"}``."""
+    finished = (Path(config.out_dir) / "eval.json").exists()  # written only by a run's final evaluation
+    summary = train(config)
+    return {
+        "score": _number(summary["fraction_of_source"]),
+        "success_rate": _number(summary.get("final_success_rate")),
+        "source_final_return": _number(summary["source_final_return"]),
+        "source_success_rate": _number(summary.get("source_final_success_rate")),
+        "status": "reused" if finished else "trained",
+        "wall_seconds": _number(summary.get("wall_seconds")),  # of the run that trained it
+        "summary": summary,
+    }
+
+
+def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[dict]) -> dict:
+    """The results: one record per trial, and per setting EMP per seed and over seeds."""
+    records = [
+        {"num_train_tasks": t.setting[0], "num_histories": t.setting[1], "seed": t.seed, "model": t.model,
+         "index": t.index, "assignment": t.assignment, "out_dir": t.config.out_dir,
+         **{key: value for key, value in outcome.items() if key != "summary"}}
+        for t, outcome in zip(trials, outcomes)
+    ]  # fmt: skip
+    settings = []
+    for setting in config.settings():
+        rows = [r for r in records if (r["num_train_tasks"], r["num_histories"]) == setting]
+        emp = {}
+        for model in MODELS:
+            by_seed = {seed: [r["score"] for r in rows if r["seed"] == seed and r["model"] == model]
+                       for seed in config.seeds}  # fmt: skip
+            emp[model] = emp_over_seeds(by_seed, config.runs)
+        scored = [r for r in rows if r["score"] is not None]
+        source = {}
+        for key in ("source_final_return", "source_success_rate"):
+            per_seed = [next(r[key] for r in rows if r["seed"] == seed) for seed in config.seeds]
+            per_seed = [value for value in per_seed if value is not None]
+            source[key] = seed_stats(per_seed) if per_seed else None
+        goals = setting[0] if setting[0] is not None else DEFAULT_NUM_TRAIN_TASKS.get(config.env)
+        settings.append({
+            "num_train_tasks": setting[0], "train_goals": goals, "num_histories": setting[1],
+            "seeds": list(config.seeds), "expected_max_performance": emp,
+            "best": max(scored, key=lambda r: r["score"]) if scored else None, "source": source,
+        })  # fmt: skip
+    return {"settings": settings, "trials": records}
 
 
 def compare(config: CompareConfig, *, command: str | None = None) -> dict:
-    """Run the sweep (both models on every assignment), write ``compare.json`` and ``compare.png``, print
-    the Expected Max Performance table; returns the results. ``command``: the command line recorded in
-    ``compare.json`` (default: this process's)."""
+    """Run the sweep (:func:`build_trials`, then :func:`run_trial` on each), write the result files, print
+    the Expected Max Performance tables; returns the results. ``command``: the command line recorded in
+    the ``.json`` and ``.md`` (default: this process's)."""
     out = run_folder(config.out_dir)
-    base = TrainConfig(
-        env=config.env, num_histories=config.num_histories, num_train_tasks=config.num_train_tasks,
-        source_episodes=config.source_episodes, ngram_sizes=config.ngram_sizes, backend=config.backend,
-        steps=config.steps, eval_episodes=config.eval_episodes, eval_envs_per_task=config.eval_envs_per_task,
-        seed=config.seed, progress=config.progress, threads=config.threads, compile=config.compile,
-    )  # fmt: skip
-    data = cached_dataset(out / "train.icrl", base, progress=config.progress)  # one data budget for both models
-    rng = np.random.default_rng(config.seed)
-    assignments = [sample_assignment(rng) for _ in range(config.runs)]
-    scores: dict[str, list[float]] = {"ad": [], "ngram_ad": []}
-    for index, assignment in enumerate(assignments):
-        for model in scores:
-            run = dataclasses.replace(base, model=model, data=str(data), out_dir=str(out / f"{model}-{index:03d}"))
-            summary = train(dataclasses.replace(run, **assignment))
-            score = summary["fraction_of_source"]
-            print(f"run {index} {model}: {score:.3f} of the source's final return", file=sys.stderr)
-            scores[model].append(score)
-    emp = {model: expected_max_performance(values).tolist() for model, values in scores.items()}
-    result = {
-        "assignments": assignments,
-        "scores": scores,
-        "expected_max_performance": emp,
-        "config": dataclasses.asdict(config),
-    }
-    write_results(out, "compare", result, None, command=command)  # no compare.md: the table goes to stdout
-    plot_curves(
-        {model: np.asarray(curve)[None] for model, curve in emp.items()},
-        out / "compare.png",
-        xlabel="hyperparameter assignments",
-        ylabel="expected max fraction of source return",
-        title=f"{config.env}: {config.num_histories} histories, {config.steps} steps per run",
-    )
-    print("| assignments | AD | N-Gram AD |\n|---|---|---|")
-    for n in range(config.runs):
-        print(f"| {n + 1} | {emp['ad'][n]:.3f} | {emp['ngram_ad'][n]:.3f} |")
+    trials = build_trials(config)
+    prepare_data(trials, progress=config.progress)
+    outcomes = []
+    for trial in trials:
+        outcome = run_trial(trial.config)
+        score = "n/a" if outcome["score"] is None else f"{outcome['score']:.3f}"
+        print(f"{trial.config.out_dir} ({outcome['status']}): {score} of the source's final return", file=sys.stderr)
+        outcomes.append(outcome)
+    result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
+    draws = draw_assignments(config.seeds, config.runs)
+    result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
+    if len(result["settings"]) == 1 and len(config.seeds) == 1:  # the single-sweep fields of earlier versions
+        only = result["settings"][0]["expected_max_performance"]
+        result["assignments"] = draws[config.seeds[0]]
+        result["scores"] = {m: [r["score"] for r in result["trials"] if r["model"] == m] for m in MODELS}
+        result["expected_max_performance"] = {m: only[m]["mean"] if only[m] else None for m in MODELS}
+    stem = config.result_stem()
+    tables = markdown_tables(config, result)
+    # Without a preset the table goes to stdout only (no .md), as before.
+    write_results(out, stem, result, None if config.preset is None else tables + "\n\n" + trial_table(result),
+                  command=command)  # fmt: skip
+    plot_emp(config, result, out / f"{stem}.png")
+    print(tables)
     return result
+
+
+def _emp_rows(runs: int) -> list[int]:
+    """n = 1, 2, 4, 8, ... and ``runs`` itself."""
+    rows = [2**k for k in range(runs.bit_length()) if 2**k <= runs]
+    return rows if rows[-1] == runs else [*rows, runs]
+
+
+def _setting_title(config: CompareConfig, setting: dict) -> str:
+    env = ENV_TITLES.get(config.env, config.env)
+    goals = "" if setting["train_goals"] is None else f" {setting['train_goals']} training goals,"
+    return f"{env}:{goals} {setting['num_histories']} histories"
+
+
+def markdown_tables(config: CompareConfig, result: dict) -> str:
+    """Per setting: EMP at n = 1, 2, 4, ... runs (mean ± sd over seeds), the best single run, the source's numbers."""
+    parts = []
+    for setting in result["settings"]:
+        emp = setting["expected_max_performance"]
+        seeds = ", ".join(map(str, setting["seeds"]))
+        lines = [
+            f"## {_setting_title(config, setting)} (seeds {seeds})", "",
+            f"Expected max fraction of the source's final return after n assignments ({config.steps} steps a run), "
+            "mean ± sd over seeds:", "",
+            "| assignments | " + " | ".join(MODELS.values()) + " |", "|---|" + "---|" * len(MODELS),
+        ]  # fmt: skip
+        for n in _emp_rows(config.runs):
+            cells = []
+            for curve in (emp[model] for model in MODELS):
+                if curve is None:
+                    cells.append("n/a")
+                    continue
+                cells.append(format_stats({"mean": curve["mean"][n - 1], "std": curve["std"][n - 1],
+                                           "n": len(curve["seeds"])}))  # fmt: skip
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        best = setting["best"]
+        if best is None:
+            lines += ["", "Best single run: none scored (the source's final return was 0)."]
+        else:
+            success = "" if best["success_rate"] is None else f", success rate {best['success_rate']:.2f}"
+            where = f"{MODELS[best['model']]}, seed {best['seed']}, assignment {best['index']}"
+            lines += [
+                "",
+                f"Best single run: {where}: {best['score']:.3f} of the source{success} (`{best['out_dir']}`).",
+            ]
+        source = setting["source"]
+        if source["source_final_return"] is not None:
+            text = "The source algorithm on the same held-out tasks: final return "
+            text += format_stats(source["source_final_return"])
+            if source["source_success_rate"] is not None:
+                text += f", success rate {format_stats(source['source_success_rate'])}"
+            lines += ["", text + "."]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _short(assignment: dict) -> str:
+    a = assignment
+    return (f"seq {a['seq_len']}, pre-norm {int(a['pre_norm'])}, qk-norm {int(a['qk_norm'])}, "
+            f"ls {a['label_smoothing']:.2f}, lr {a['learning_rate']:.1e}, wd {a['weight_decay']:.1e}, "
+            f"res-drop {a['residual_dropout']:.2f}, emb-drop {a['embedding_dropout']:.2f}, "
+            f"subsample {a['episode_subsample']}")  # fmt: skip
+
+
+def trial_table(result: dict) -> str:
+    """One row per trial: setting, seed, model, assignment, score, success rate, status."""
+    lines = ["## Trials", "", "| goals | histories | seed | model | # | config | score | success | status |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in result["trials"]:
+        goals = "default" if r["num_train_tasks"] is None else r["num_train_tasks"]
+        score = "n/a" if r["score"] is None else f"{r['score']:.3f}"
+        success = "n/a" if r["success_rate"] is None else f"{r['success_rate']:.2f}"
+        lines.append(f"| {goals} | {r['num_histories']} | {r['seed']} | {MODELS[r['model']]} | {r['index']} | "
+                     f"{_short(r['assignment'])} | {score} | {success} | {r['status']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
+    """One panel per setting: EMP against assignments for both models, mean line and a ± sd band over seeds."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    settings = result["settings"]
+    columns = min(3, len(settings))
+    rows = math.ceil(len(settings) / columns)
+    figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.5 * rows), dpi=120, squeeze=False)
+    x = np.arange(1, config.runs + 1)
+    for axis, setting in zip(axes.flat, settings):
+        for model, label in MODELS.items():
+            curve = setting["expected_max_performance"][model]
+            if curve is None:
+                continue
+            mean, std = np.asarray(curve["mean"]), np.asarray(curve["std"])
+            axis.plot(x, mean, label=f"{label} ({len(curve['seeds'])} seeds)")
+            axis.fill_between(x, mean - std, mean + std, alpha=0.25)
+        if config.runs >= 32:  # the paper's hundreds of assignments: the first few matter most
+            axis.set_xscale("log")
+        else:
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axis.set_title(_setting_title(config, setting), fontsize=9)
+        axis.set_xlabel("hyperparameter assignments")
+        axis.set_ylabel("expected max fraction of source")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    for axis in list(axes.flat)[len(settings) :]:
+        axis.set_visible(False)
+    figure.suptitle(f"AD vs N-Gram AD, {config.steps} steps per run (mean ± sd over seeds)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 @command_line("icrl-compare")

@@ -1,0 +1,169 @@
+"""``icrl-compare``'s sweep over settings and seeds (the N-gram paper's Figures 2 and 3): presets, the trial
+list, Expected Max Performance over seeds, the result files, and that finished trials are not trained again."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from icrl_models.config import add_config_arguments, config_from_args, make_parser
+from icrl_models.experiments.ngram_ad import (
+    PRESETS,
+    CompareConfig,
+    build_trials,
+    compare,
+    emp_over_seeds,
+    expected_max_performance,
+)
+
+# A tiny model and evaluation: every trial trains a few steps and rolls out 2 episodes on 2 held-out tasks.
+TINY = dict(runs=2, steps=2, batch_size=4, d_model=16, num_heads=2, num_layers=1, source_episodes=20,
+            eval_tasks=2, eval_episodes=2, eval_envs_per_task=1, backend="eager", progress=False)  # fmt: skip
+
+
+def test_goals_preset_builds_every_setting_seed_assignment_and_model():
+    config = CompareConfig(preset="goals")
+    assert config.env == "dark_room" and config.settings() == [(10, 1000), (20, 1000), (30, 1000)]
+    assert config.seeds == (0, 1, 2) and config.result_stem() == "ngram-ad-goals"
+    trials = build_trials(config)
+    assert len(trials) == 3 * 3 * config.runs * 2
+    for trial in trials:
+        run = trial.config
+        assert (run.num_train_tasks, run.num_histories) == trial.setting and run.seed == trial.seed
+        assert run.model == trial.model and run.steps == config.steps and run.eval_tasks == config.eval_tasks
+        assert run.episode_length is None  # Dark Room's own 20 steps
+        assert all(getattr(run, name) == value for name, value in trial.assignment.items())
+    # One dataset per (setting, seed), shared by both models and every assignment; one folder per trial.
+    assert len({t.config.data for t in trials}) == 9 and len({t.config.out_dir for t in trials}) == len(trials)
+    # A seed draws the same assignments in every setting and for both models; other seeds draw others.
+    by_seed = {}
+    for t in trials:
+        by_seed.setdefault((t.seed, t.index), []).append(t.assignment)
+    assert all(len(a) == 6 and all(x == a[0] for x in a) for a in by_seed.values())
+    assert by_seed[(0, 0)][0] != by_seed[(1, 0)][0]
+
+
+def test_key_to_door_and_paper_presets():
+    config = CompareConfig(preset="key-to-door")
+    assert config.env == "key_to_door" and config.settings() == [(100, 500), (100, 750), (100, 1000)]
+    assert config.result_stem() == "key-to-door"
+    assert {t.config.episode_length for t in build_trials(config)} == {40}  # the paper's Appendix C
+    for name, runs in (("goals-paper", 500), ("key-to-door-paper", 400)):
+        paper = CompareConfig(preset=name)
+        assert (
+            paper.runs == runs
+            and paper.steps == 10_000
+            and paper.settings() == CompareConfig(preset=name.removesuffix("-paper")).settings()
+        )
+    assert CompareConfig(preset="goals-paper").result_stem() == "ngram-ad-goals"
+    assert CompareConfig().result_stem() == "compare"
+
+
+def test_flags_win_over_the_preset_and_no_preset_keeps_one_setting_one_seed():
+    parser = make_parser("icrl-compare", None)
+    add_config_arguments(parser, CompareConfig)
+    args = parser.parse_args(["--preset", "key-to-door", "--num-histories", "600", "--seed", "4", "--steps", "7"])
+    config = config_from_args(CompareConfig, args)
+    assert config.settings() == [(100, 600)] and config.seeds == (4,) and config.steps == 7
+    assert config.runs == PRESETS["key-to-door"]["runs"] and config.episode_length == 40
+    default = config_from_args(CompareConfig, parser.parse_args([]))
+    assert default.preset is None and default.settings() == [(None, 1000)] and default.seeds == (0,)
+    trials = build_trials(default)
+    assert len(trials) == 2 * default.runs and trials[0].config.out_dir.endswith("compare/ad-000")  # flat layout
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(preset="goal"), "preset must be one of"),
+        (dict(seeds=(0, 0)), "seeds must be distinct ints >= 0"),
+        (dict(num_histories=(0,)), "num_histories must be distinct ints >= 1"),
+        (dict(num_train_tasks=()), "num_train_tasks must be distinct ints >= 1"),
+        (dict(eval_tasks=-1), "eval_tasks must be >= 0"),
+        (dict(preset="goals", steps=0), "steps must be >= 1"),
+    ],
+)
+def test_bad_sweep_settings_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CompareConfig(**kwargs)
+
+
+def test_emp_over_seeds_hand_worked():
+    # Seed 0 scores {0, 1}: E[max of 1] = 0.5, E[max of 2] = 1 - P(both draws are 0) = 0.75.
+    # Seed 1 scores {1} (its NaN and None scores are left out): 1 and 1.
+    result = emp_over_seeds({0: [0.0, 1.0], 1: [1.0, None, float("nan")]}, 2)
+    assert result["per_seed"] == {"0": [0.5, 0.75], "1": [1.0, 1.0]} and result["seeds"] == [0, 1]
+    np.testing.assert_allclose(result["mean"], [0.75, 0.875])
+    # Sample sd of two values a, b is |a - b| / sqrt(2).
+    np.testing.assert_allclose(result["std"], [0.5 / np.sqrt(2), 0.25 / np.sqrt(2)])
+    one = emp_over_seeds({3: [0.2, 0.4, 0.9]}, 3)
+    np.testing.assert_allclose(one["mean"], expected_max_performance([0.2, 0.4, 0.9]))
+    assert one["std"] == [0.0, 0.0, 0.0]
+    assert emp_over_seeds({0: [None], 1: []}, 2) is None
+
+
+def test_goals_sweep_end_to_end_writes_the_files(tmp_path, capsys):
+    config = CompareConfig(preset="goals", num_train_tasks=(10, 20), num_histories=(6,), seeds=(0, 1),
+                           out_dir=str(tmp_path), **TINY)  # fmt: skip
+    result = compare(config, command="icrl-compare --preset goals (test)")
+    assert sorted(p.name for p in tmp_path.glob("ngram-ad-goals.*")) == [
+        "ngram-ad-goals.json", "ngram-ad-goals.md", "ngram-ad-goals.png"
+    ]  # fmt: skip
+    assert (tmp_path / "ngram-ad-goals.png").read_bytes()[:4] == b"\x89PNG"
+    stored = json.loads((tmp_path / "ngram-ad-goals.json").read_text())
+    assert stored["command"] == "icrl-compare --preset goals (test)" and stored["machine"]
+    assert len(stored["trials"]) == 2 * 2 * 2 * 2 and {t["status"] for t in stored["trials"]} == {"trained"}
+    assert [(s["num_train_tasks"], s["seeds"]) for s in stored["settings"]] == [(10, [0, 1]), (20, [0, 1])]
+    for setting in result["settings"]:
+        for model in ("ad", "ngram_ad"):
+            emp = setting["expected_max_performance"][model]
+            scores = {seed: [t["score"] for t in result["trials"] if (t["seed"], t["model"]) == (seed, model)
+                             and t["num_train_tasks"] == setting["num_train_tasks"]] for seed in (0, 1)}  # fmt: skip
+            assert emp == emp_over_seeds(scores, 2)
+    markdown = (tmp_path / "ngram-ad-goals.md").read_text()
+    assert markdown.startswith("Command: `icrl-compare --preset goals (test)`")
+    assert "## Dark Room: 10 training goals, 6 histories (seeds 0, 1)" in markdown
+    assert "## Dark Room: 20 training goals, 6 histories (seeds 0, 1)" in markdown
+    assert "| 2 | " in markdown and "(n=2)" in markdown and "Best single run" in markdown
+    trial_rows = markdown.split("## Trials")[1].strip().splitlines()[2:]
+    assert len(trial_rows) == 16 and all(row.endswith("| trained |") for row in trial_rows)
+    assert "## Dark Room: 10 training goals" in capsys.readouterr().out
+
+
+def test_finished_trials_are_not_trained_again(tmp_path, monkeypatch):
+    import icrl_models.data
+    import icrl_models.train
+
+    calls = {"batches": 0, "evaluations": 0, "generations": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    windows = icrl_models.train.HistoryWindows
+    monkeypatch.setattr(windows, "get_batch", counting("batches", windows.get_batch))
+    monkeypatch.setattr(icrl_models.train, "run_evaluation", counting("evaluations", icrl_models.train.run_evaluation))
+    monkeypatch.setattr(
+        icrl_models.data, "generate_histories", counting("generations", icrl_models.data.generate_histories)
+    )
+
+    config = CompareConfig(preset="key-to-door", num_histories=(4,), seeds=(1,), out_dir=str(tmp_path),
+                           **{**TINY, "runs": 1, "eval_episodes": 1})  # fmt: skip
+    first = compare(config, command="first")
+    assert calls == {"batches": 2 * config.steps, "evaluations": 2, "generations": 1}
+    assert [t["status"] for t in first["trials"]] == ["trained", "trained"]
+    assert (tmp_path / "key-to-door.md").exists() and (tmp_path / "key-to-door.png").exists()
+    metrics = sorted(tmp_path.rglob("metrics.jsonl"))
+    before = [path.read_text() for path in metrics]
+
+    calls.update(batches=0, evaluations=0, generations=0)
+    second = compare(config, command="second")
+    assert calls == {"batches": 0, "evaluations": 0, "generations": 0}  # nothing trained, evaluated or generated
+    assert [t["status"] for t in second["trials"]] == ["reused", "reused"]
+    assert [t["score"] for t in second["trials"]] == [t["score"] for t in first["trials"]]
+    assert [path.read_text() for path in metrics] == before  # no second evaluation row
