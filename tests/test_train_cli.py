@@ -233,7 +233,8 @@ def test_experiment_list_flags_in_help(script, argv, usages, capsys):
     for usage in usages:
         assert usage in text, usage
     if script == "icrl-markov":  # preset-filled fields show each preset's value, not "none"
-        assert "(default: from --preset, cpu 0 1 2, paper 0 1 2)" in " ".join(text.split())
+        seeds = "cpu 0 1 2, paper 0 1 2, memory 0 1 2 3 4, paper-memory 0 1 2 3 4"
+        assert f"(default: from --preset, {seeds})" in " ".join(text.split())
 
 
 def test_list_flags_take_several_values():

@@ -18,10 +18,25 @@ same comparison on our grid worlds, with our offline data:
   collected, but hindsight returns-to-go of imperfect episodes make that signal ambiguous in the data).
 * ``dark_room`` (long-term): hidden-goal Dark Room, the same rooms and data generator as
   ``dark_room_visible`` with only the goal hidden; the goal must be inferred from the trajectory so far.
+* ``cue_visible`` (short-term) and ``cue_hidden`` (long-term): the Cue Corridor T-maze
+  (:class:`~icrl_models.envs.CueCorridor`), once per corridor length ``C`` of ``--corridor-lengths``
+  (tables say ``cue_hidden C=4``). A cue drawn per episode says which end of the junction pays; it is shown
+  on every step (``cue_visible``: the observation alone decides the turn, memory need 0) or on the first
+  step only (``cue_hidden``: the turn at the junction needs the cue seen ``C`` steps earlier, memory need
+  ``C``). Unlike Key-to-Door, nothing on the way (cells, rewards, return-to-go) carries the cue, so a
+  Decision Transformer truly needs memory. Both variants of a seed and ``C`` train on the **same**
+  trajectories (same data seed; the oracle and the noise do not depend on what is observed): the paired
+  difference isolates the cue's visibility. Episodes last ``C + 4`` steps (the optimal one ``C + 1``),
+  and a DT window never leaves its episode, so a context ``k > C + 4`` adds only padding, and with
+  ``k < C + 1`` the cue is never in the context at the junction.
 
 Data: noise-distillation histories (an optimal policy whose actions are replaced by random ones with
 a probability that decays from 1 to 0 along each history), so episodes range from random to optimal,
-as a Decision Transformer's offline data should. Each task trains a
+as a Decision Transformer's offline data should. Training windows (``--windows``): ``uniform``, the
+official DT's (every recorded step starts a window), in the ``cpu`` and ``paper`` presets; ``rollout``
+in the memory presets: each window is the context a rollout has at a uniformly drawn step (from the
+episode's start, or the ``k`` steps ending there), since uniform starts hide the cue from most junction
+steps that could see it, and the tiny model did not learn ``cue_hidden`` from them. Each task trains a
 :class:`~icrl_models.models.dt_moa.DecisionTransformerMoA` with the same settings, starting from the
 **same backbone**. No GPT-2 checkpoint can be downloaded here, so the backbone is
 *Markov-initialised* (the analogue of a GPT-2 init): ``markov_heads`` of layer 0 get ``W_q = W_k``
@@ -37,11 +52,29 @@ over state tokens, on held-out windows), ``G_Markov`` (with the heads that were 
 initialisation), its course over training (the paper's Appendix G), head importance by zero-ablation,
 and the trained policy's mean return against the data's, a random policy's and the optimum. With
 several ``k``, ``R_Markov = G_Markov(k) / G_Markov(first k)`` as in Tables 5-6. Numbers over seeds read
-``mean ± sample sd (n=seeds)``. Outputs in ``--out-dir`` (default ``runs/markov``): ``markov.json``,
-``markov.md`` (the command line, the machine and the tables) and ``markov.png``.
+``mean ± sample sd (n=seeds)``; a number that came out NaN (a diverged training) is left out of the mean
+and counted in the table. For the cue tasks: ``G_Markov`` (all tokens and state tokens) against memory
+need (0 for ``cue_visible``, ``C`` for ``cue_hidden``) and against ``k``, the per-seed paired difference
+visible minus hidden (the paper's sign: positive) and the success rate (episodes ending on the cued end).
 
-Presets: ``cpu`` (default; a tiny model, about 10 minutes on one CPU thread) and ``paper``
-(GPT-2-small-sized, 12 layers x 12 heads x 768, ``k = 10..50``, for a GPU).
+Runs: the grid-world tasks run once per ``k`` of ``--context-lens``. A cue task runs the union of the
+memory-need axis (every corridor length at ``k = --memory-k``) and the k axis (every ``k`` of
+``--context-lens`` at ``C = --k-sweep-corridor``); with neither flag, every corridor length at every
+``k`` (:meth:`MarkovConfig.runs`).
+
+Outputs in ``--out-dir`` (default ``runs/markov``): ``<stem>.json`` (the config, every run's raw results
+under ``"results"``, written after each run, so a crash or a NaN loses nothing, then the ``"summary"``,
+keyed by row (the task name, or ``<task>_C<C>`` for a cue task) and ``k``, and ``"memory_pairs"``, the
+paired differences of the cue tasks), ``<stem>.md`` (the command line, the machine and the tables), and the
+figures ``markov.png`` (grid-world tasks: MoA weight per head, G_Markov over training) and
+``markov-memory.png`` (cue tasks: G_Markov against memory need and against ``k``). The stem is
+``markov-memory`` when every task is a cue task, else ``markov``.
+
+Presets: ``cpu`` (default; a tiny model, about 10 minutes on one CPU thread), ``paper``
+(GPT-2-small-sized, 12 layers x 12 heads x 768, ``k = 10..50``, for a GPU), ``memory`` (the cue tasks with
+``cpu``'s model: ``C`` in 2, 4, 8 at ``k = 10`` and ``k`` in 3, 5, 10 at ``C = 4``, 5 seeds) and
+``paper-memory`` (the cue tasks with ``paper``'s model: ``C`` in 2, 4, 8, 16 at ``k = 20`` and ``k`` in
+5, 9, 20 at ``C = 8``, 5 seeds).
 """
 
 from __future__ import annotations
@@ -62,7 +95,7 @@ from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..envs import DarkRoom, KeyToDoor, VisibleGoalDarkRoom
+from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
@@ -79,16 +112,25 @@ from .harness import (
     write_results,
 )
 
-PRESETS = ("cpu", "paper")
+PRESETS = ("cpu", "paper", "memory", "paper-memory")
 #: task name -> (horizon, what the observation lacks)
 TASKS = {
     "dark_room_visible": ("short-term", "nothing: the goal is in the observation"),
     "key_to_door": ("long-term", "whether the key is held (and where the key and door are)"),
     "dark_room": ("long-term", "where the goal is"),
+    "cue_visible": ("short-term", "nothing: the cue is shown on every step"),
+    "cue_hidden": ("long-term", "the cue, shown on the first step only (memory need: the corridor length)"),
 }
+#: The Cue Corridor tasks: one run per corridor length (:meth:`MarkovConfig.runs`).
+CUE_TASKS = ("cue_visible", "cue_hidden")
+GRID_TASKS = tuple(task for task in TASKS if task not in CUE_TASKS)
+#: What the grid-world presets run (no cue task) and what the memory presets change on top of a model preset.
+GRID_DESIGN = dict(windows="uniform", tasks=GRID_TASKS, corridor_lengths=(4,), memory_k=None, k_sweep_corridor=None)
+MEMORY_DESIGN = dict(windows="rollout", tasks=CUE_TASKS, seeds=(0, 1, 2, 3, 4))
 #: Settings a preset fills in when the command line leaves them at None.
 PRESET_VALUES = {
     "cpu": dict(
+        **GRID_DESIGN,
         n_layer=2,
         n_head=4,
         n_embd=64,
@@ -106,6 +148,7 @@ PRESET_VALUES = {
         eval_envs=162,
     ),
     "paper": dict(
+        **GRID_DESIGN,
         n_layer=12,
         n_head=12,
         n_embd=768,
@@ -123,6 +166,24 @@ PRESET_VALUES = {
         eval_envs=810,
     ),
 }
+# The cue tasks on cpu's model, 2 tasks x 5 runs x 5 seeds = 50 trainings: the memory-need axis (C = 2, 4, 8 at
+# k = 10, which covers every episode of C <= 5 and the optimal path of C = 8) and the k axis at C = 4 (episodes
+# of 8 steps): k = 3 (the cue never in context at the junction), 5 (just in), 10 (the whole episode; k = 20
+# would add only padding, as a window never leaves its episode). One layout and episodes of C + 4 steps:
+# 128 histories x 20 episodes are 2,560 episodes (about 17,000 steps at C = 4, 25,000 at C = 8). Rollout
+# windows: with the official DT's uniform starts this model stayed at chance on cue_hidden C = 4 (k = 10, 1000
+# or 3000 steps); with rollout windows it solved C = 4 in 1000 steps, and C = 8 in 2000 but not in 1000.
+PRESET_VALUES["memory"] = {
+    **PRESET_VALUES["cpu"], **MEMORY_DESIGN, "corridor_lengths": (2, 4, 8), "memory_k": 10, "k_sweep_corridor": 4,
+    "context_lens": (3, 5, 10), "steps": 2000, "num_histories": 128, "episodes_per_history": 20, "eval_envs": 200,
+}  # fmt: skip
+# The same design on paper's model (a GPU): C up to 16 at k = 20 (>= C + 1 = 17), the k axis at C = 8
+# (episodes of 12 steps): k = 5 (below the need), 9 (= C + 1, just in), 20 (the whole episode).
+PRESET_VALUES["paper-memory"] = {
+    **PRESET_VALUES["paper"], **MEMORY_DESIGN, "corridor_lengths": (2, 4, 8, 16), "memory_k": 20,
+    "k_sweep_corridor": 8, "context_lens": (5, 9, 20), "steps": 10000, "warmup_steps": 1000, "num_histories": 512,
+    "episodes_per_history": 50, "eval_envs": 1000,
+}  # fmt: skip
 
 
 def _preset_help(name: str, text: str = "") -> str:
@@ -136,10 +197,35 @@ class MarkovConfig:
     preset: str = dataclasses.field(default="cpu", metadata={"help": " or ".join(PRESETS)})
     # List fields take several values (--seeds 0 1 2); a comma-separated 0,1,2 (older command lines,
     # configs and markov.json files) is read the same.
+    # Empty (the default): the preset's tasks. Not None-defaulted like the other preset fields, so that the
+    # flag keeps taking one or more values.
     tasks: tuple[str, ...] = dataclasses.field(
-        default=tuple(TASKS),
-        metadata={"help": "tasks to run: dark_room_visible (short-term), key_to_door, dark_room (long-term)",
+        default=(),
+        metadata={"help": _preset_help("tasks", "tasks to run: dark_room_visible, cue_visible (short-term), "
+                                       "key_to_door, dark_room, cue_hidden (long-term)"),
                   "metavar": "TASK"},
+    )  # fmt: skip
+    corridor_lengths: tuple[int, ...] | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("corridor_lengths", "Cue Corridor lengths C (the memory need of cue_hidden)"),
+                  "metavar": "C"},
+    )  # fmt: skip
+    memory_k: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("memory_k", "context length at which the cue tasks run every corridor "
+                                       "length (the memory-need axis)")},
+    )  # fmt: skip
+    k_sweep_corridor: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("k_sweep_corridor", "corridor length at which the cue tasks run every k of "
+                                       "--context-lens (the k axis); with neither this nor --memory-k, every "
+                                       "corridor length runs at every k")},
+    )  # fmt: skip
+    windows: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": _preset_help("windows", "training and analysis windows: uniform (the official DT: a "
+                                       "window starts at every step) or rollout (the context a rollout has at "
+                                       "every step)")},
     )  # fmt: skip
     context_lens: tuple[int, ...] | None = dataclasses.field(
         default=None,
@@ -215,7 +301,8 @@ class MarkovConfig:
     def __post_init__(self) -> None:
         fill_from_preset(self, PRESET_VALUES)
         # The command line gives tuples, markov.json lists, older callers comma strings: normalise to tuples.
-        self.tasks = as_tuple(self.tasks, str, "tasks")
+        self.tasks = as_tuple(self.tasks, str, "tasks") or PRESET_VALUES[self.preset]["tasks"]
+        self.corridor_lengths = as_tuple(self.corridor_lengths, int, "corridor_lengths")
         self.key_to_door_layouts = as_tuple(self.key_to_door_layouts, str, "key_to_door_layouts")
         for name in ("context_lens", "moa_layers", "markov_heads", "seeds"):
             setattr(self, name, as_tuple(getattr(self, name), int, name))
@@ -225,6 +312,18 @@ class MarkovConfig:
             raise ValueError(f"seeds must be one or more ints >= 0, got {self.seeds!r}")
         if not self.context_lens or min(self.context_lens) < 1:
             raise ValueError(f"context_lens must be one or more ints >= 1, got {self.context_lens!r}")
+        if self.windows not in WINDOW_SAMPLERS:
+            raise ValueError(f"windows must be one of {tuple(WINDOW_SAMPLERS)}, got {self.windows!r}")
+        if not self.corridor_lengths or min(self.corridor_lengths) < 1:
+            raise ValueError(f"corridor_lengths must be one or more ints >= 1, got {self.corridor_lengths!r}")
+        if self.memory_k is not None and (isinstance(self.memory_k, bool) or not isinstance(self.memory_k, int)
+                                          or self.memory_k < 1):  # fmt: skip
+            raise ValueError(f"memory_k must be an int >= 1 or None, got {self.memory_k!r}")
+        if self.k_sweep_corridor is not None and self.k_sweep_corridor not in self.corridor_lengths:
+            raise ValueError(
+                f"k_sweep_corridor must be one of corridor_lengths {self.corridor_lengths}, "
+                f"got {self.k_sweep_corridor!r}"
+            )
         if not self.moa_layers or min(self.moa_layers) < 0:  # the report reads the gate of a MoA layer
             raise ValueError(f"moa_layers must be one or more ints >= 0, got {self.moa_layers!r}")
         if self.markov_heads and min(self.markov_heads) < 0:
@@ -246,6 +345,27 @@ class MarkovConfig:
         if not ids:
             raise ValueError("key_to_door_layouts must name at least one layout")
         return np.asarray(ids, dtype=np.int64)
+
+    def runs(self) -> list[tuple[str, int | None, int]]:
+        """The trainings of one seed, in order, as ``(task, corridor length or None, k)``.
+
+        Grid-world tasks: every ``k`` of :attr:`context_lens` (``k`` outer, tasks inner, as always). Cue tasks
+        (after them): the memory-need axis, every corridor length at ``k =`` :attr:`memory_k`, then the
+        k axis, every ``k`` of :attr:`context_lens` at ``C =`` :attr:`k_sweep_corridor`, a ``(C, k)`` on
+        both axes run once; with neither field set, every corridor length at every ``k``.
+        """
+        grid = [task for task in self.tasks if task not in CUE_TASKS]
+        cue = [task for task in self.tasks if task in CUE_TASKS]
+        runs: list[tuple[str, int | None, int]] = [(task, None, k) for k in self.context_lens for task in grid]
+        if not cue:
+            return runs
+        if self.memory_k is None and self.k_sweep_corridor is None:
+            points = [(c, k) for c in self.corridor_lengths for k in self.context_lens]
+        else:
+            points = [(c, self.memory_k) for c in self.corridor_lengths] if self.memory_k is not None else []
+            if self.k_sweep_corridor is not None:
+                points += [(self.k_sweep_corridor, k) for k in self.context_lens]
+        return runs + [(task, c, k) for c, k in dict.fromkeys(points) for task in cue]
 
     # Accessors kept from the comma-string days; the fields themselves are tuples now.
     def task_list(self) -> list[str]:
@@ -276,13 +396,52 @@ class Task:
     episode_length: int
     make_env: object  # (task ids, seed) -> BatchedEnv
     task_ids: np.ndarray
+    corridor_length: int | None = None  # the Cue Corridor's C (cue tasks only)
+    num_actions: int = 5  # the grid worlds' 5 moves; the Cue Corridor's 3 (forward, left, right)
+
+    @property
+    def row(self) -> str:
+        """The summary key: the task name, or ``<task>_C<C>`` for a cue task."""
+        return self.name if self.corridor_length is None else f"{self.name}_C{self.corridor_length}"
+
+    @property
+    def label(self) -> str:
+        """The table label: the task name, or ``<task> C=<C>`` for a cue task."""
+        return self.name if self.corridor_length is None else f"{self.name} C={self.corridor_length}"
+
+    @property
+    def memory_need(self) -> int | None:
+        """Steps the turn must be remembered over: 0 (cue visible), ``C`` (cue hidden); None for grid worlds."""
+        if self.corridor_length is None:
+            return None
+        return 0 if self.name == "cue_visible" else self.corridor_length
+
+    def data_seed(self, seed: int) -> int:
+        """The seed of the task's data, held-out windows and evaluation episodes in the run of ``seed``.
+
+        Both cue tasks of a corridor length share it, so that they see the same trajectories (the oracle and
+        the noise do not depend on the observation) and differ only in the cue's visibility."""
+        family = "cue_visible" if self.name in CUE_TASKS else self.name
+        return 10_000 * seed + 1000 * list(TASKS).index(family) + 1_000_000 * (self.corridor_length or 0)
 
     def env(self, count: int, seed: int) -> BatchedEnv:
         """``count`` environments (at least one per layout), the layouts dealt round-robin."""
         return self.make_env(np.resize(self.task_ids, max(count, self.task_ids.size)), seed)
 
 
-def make_task(name: str, config: MarkovConfig) -> Task:
+def make_task(name: str, config: MarkovConfig, corridor_length: int | None = None) -> Task:
+    """The task ``name``; a cue task needs its ``corridor_length`` (state sizes ``(C + 3, 3)``, episodes of
+    ``C + 4`` steps, CueCorridor's defaults)."""
+    if name in CUE_TASKS:
+        if corridor_length is None:
+            raise ValueError(f"corridor_length is needed for the cue task {name!r}")
+        cue_steps = None if name == "cue_visible" else 1
+        probe = CueCorridor(1, corridor_length=corridor_length, cue_steps=cue_steps)
+        return Task(
+            name, probe.observation_parts, probe.episode_length,
+            lambda ids, seed: CueCorridor(ids.size, corridor_length=corridor_length, cue_steps=cue_steps, seed=seed),
+            np.zeros(1, dtype=np.int64), corridor_length, probe.num_actions,
+        )  # fmt: skip
     if name == "dark_room_visible":
         goals = np.arange(81)
         return Task(name, (81, 81), 20, lambda ids, seed: VisibleGoalDarkRoom(ids, seed=seed), goals)
@@ -318,10 +477,13 @@ def resolve_device(name: str) -> torch.device:
 
 def build_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict]:
     """The shared initial backbone (``wpe``, ``blocks``, ``ln_f``): Markov-initialised or a GPT-2 checkpoint."""
-    k_max = max(config.context_list())
+    runs = config.runs()
+    k_max = max(k for _, _, k in runs)
+    # Timestep embeddings cover the longest episode: Dark Room's 20, Key-to-Door's, a corridor's C + 4.
+    longest_corridor = max((c for _, c, _ in runs if c is not None), default=0)
     common = dict(
         context_len=k_max, moa_layers=config.moa_layer_list(), gate=config.gate, dropout=config.dropout,
-        backend=config.backend, max_timestep=max(20, config.key_to_door_episode_length),
+        backend=config.backend, max_timestep=max(20, config.key_to_door_episode_length, longest_corridor + 4),
     )  # fmt: skip
     torch.manual_seed(seed)
     if config.gpt2:
@@ -350,6 +512,24 @@ def learning_rate_at(step: int, config: MarkovConfig) -> float:
     return warmup_then_constant(step, config.learning_rate, config.warmup_steps)
 
 
+def rollout_windows(windows: TrajectoryWindows, count: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
+    """``count`` windows, each the context a DT rollout has at a uniformly drawn step ``t``: from the episode's
+    start when ``t < k``, else the ``k`` steps ending at ``t``. Unlike the official DT's uniform start
+    (:meth:`TrajectoryWindows.sample`), no window starts in mid-episode while its end could still see the
+    episode's start: such windows never occur in a rollout, and on the Cue Corridor they hide the cue from a
+    junction step whose label depends on it (with uniform starts the tiny model did not learn the hidden cue)."""
+    steps = rng.integers(0, len(windows), size=count)
+    episode_starts = steps - windows.timesteps[steps]
+    return windows.get_batch(np.maximum(episode_starts, steps - windows.context_len + 1))
+
+
+#: ``--windows``: how training (and held-out analysis) windows are drawn.
+WINDOW_SAMPLERS = {
+    "uniform": lambda windows, count, rng: windows.sample(count, rng),
+    "rollout": rollout_windows,
+}
+
+
 def _markov_summary(report: MarkovReport) -> dict:
     return {"markov_heads": report.heads(), "ratio": report.ratio, "diagonal_positive": report.diagonal_positive}
 
@@ -363,16 +543,19 @@ def run_task(
 ) -> dict:
     """Generate data, train one DT-MoA with context ``k`` on ``task``, analyse it; JSON-ready results."""
     start = time.perf_counter()
-    data_seed = 10_000 * seed + 1000 * list(TASKS).index(task.name)
+    data_seed = task.data_seed(seed)
     histories, data_returns, best = task_data(task, config, data_seed)
     windows = TrajectoryWindows(histories, k)
     # Analysis windows come from separately generated histories of the same tasks (held out).
     held_out, _, _ = task_data(task, dataclasses.replace(config, progress=False), data_seed + 1)
     analysis = TrajectoryWindows(held_out, k)
-    analysis_batch = _to(analysis.sample(config.analysis_windows, np.random.default_rng(data_seed)), device)
+    sample = WINDOW_SAMPLERS[config.windows]
+    analysis_batch = _to(sample(analysis, config.analysis_windows, np.random.default_rng(data_seed)), device)
 
     torch.manual_seed(seed)
-    model_config = dataclasses.replace(model_config, state_sizes=task.state_sizes, context_len=k)
+    model_config = dataclasses.replace(
+        model_config, state_sizes=task.state_sizes, num_actions=task.num_actions, context_len=k
+    )
     model = DecisionTransformerMoA(model_config)
     keys = model.load_state_dict(backbone, strict=False)
     if keys.unexpected_keys or any(_is_backbone(name) for name in keys.missing_keys):
@@ -398,11 +581,11 @@ def run_task(
     running: list[float] = []
     train_start = time.perf_counter()
     model.train()
-    bar = tqdm(range(1, config.steps + 1), desc=f"{task.name} k={k} seed {seed}", disable=not config.progress)
+    bar = tqdm(range(1, config.steps + 1), desc=f"{task.label} k={k} seed {seed}", disable=not config.progress)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(step - 1, config)
-        batch = _to(windows.sample(config.batch_size, rng), device)
+        batch = _to(sample(windows, config.batch_size, rng), device)
         with autocast:
             loss = model.loss(batch)
         optimizer.zero_grad(set_to_none=True)
@@ -434,11 +617,21 @@ def run_task(
     random_env = task.env(config.eval_envs, data_seed + 99)
     random_returns = collect_histories(random_env, RandomAgent(), 1, seed=seed, progress=False).episode_returns()
     last_tenth = max(1, config.episodes_per_history // 10)
+    cue = {}
+    if task.corridor_length is not None:
+        # Reward 1 comes only on the cued end (and ends the episode), so a return of 1 is a success.
+        cue = {"success_rate": _success(model_returns), "success_rate_data": _success(data_returns),
+               "success_rate_random": _success(random_returns)}  # fmt: skip
     return {
         "task": task.name,
+        "row": task.row,
+        "label": task.label,
+        "corridor_length": task.corridor_length,
+        "memory_need": task.memory_need,
         "horizon": TASKS[task.name][0],
         "k": k,
         "seed": seed,
+        **cue,
         "markov_before": _markov_summary(report_before),
         "markov_after": _markov_summary(report_after),
         "r": report_before.r,
@@ -468,42 +661,70 @@ def run_task(
     }
 
 
+def _success(returns) -> float:
+    """Fraction of the recorded episodes (NaN: none recorded) of return 1, the Cue Corridor's success."""
+    returns = np.asarray(returns, dtype=np.float64)
+    return float(np.mean(returns[~np.isnan(returns)] > 0.5))
+
+
 # --- the whole experiment ---------------------------------------------------------------------------------
 
 
 def run_experiment(config: MarkovConfig, *, command: str | None = None) -> dict:
-    """Train and analyse every (task, k); write ``markov.json``, ``markov.md`` and ``markov.png``.
-    ``command``: the command line recorded in ``markov.json`` and ``markov.md`` (default: this process's)."""
+    """Train and analyse every run of :meth:`MarkovConfig.runs` per seed; write ``<stem>.json`` (after every
+    run, the raw results; at the end with the summary), ``<stem>.md`` and the figures (:func:`output_stem`;
+    ``report["files"]`` names them). ``command``: the command line recorded in the ``.json`` and ``.md``
+    (default: this process's)."""
     with torch_threads(config.num_threads):
         return _run_experiment(config, command)
+
+
+def output_stem(config: MarkovConfig) -> str:
+    """``markov-memory`` when every task is a cue task (``--preset memory``), else ``markov``."""
+    return "markov-memory" if all(task in CUE_TASKS for task in config.tasks) else "markov"
 
 
 def _run_experiment(config: MarkovConfig, command: str | None) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     out_dir = run_folder(config.out_dir)
     device = resolve_device(config.device)
-    results = []
+    stem, machine = output_stem(config), machine_description(device)
+    results: list[dict] = []
+    report: dict = {"config": dataclasses.asdict(config), "model_config": None, "device": str(device),
+                    "torch_threads": torch.get_num_threads(), "complete": False, "results": results}  # fmt: skip
+
+    def times() -> dict:
+        # On a CPU shared with other jobs the wall time overstates the cost; this is this process's CPU time.
+        return {"wall_seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
+
     for seed in config.seed_list():
         model_config, backbone = build_backbone(config, seed)  # one backbone per seed, shared by the tasks
-        for k in config.context_list():
-            for task_name in config.task_list():
-                task = make_task(task_name, config)
-                results.append(run_task(task, k, seed, config, model_config, backbone, device))
-    report = {
-        "config": dataclasses.asdict(config),
-        "model_config": dt_config_dict(model_config),
-        "device": str(device),
-        "torch_threads": torch.get_num_threads(),
-        "summary": summarize(results),
-        "results": results,
-        "wall_seconds": time.perf_counter() - start,
-        # On a CPU shared with other jobs the wall time overstates the cost; this is this process's CPU time.
-        "cpu_seconds": time.process_time() - cpu_start,
-    }
-    write_results(out_dir, "markov", report, format_tables(report), command=command,
-                  machine=machine_description(device))  # fmt: skip
-    plot_markov(report, out_dir / "markov.png")
+        report["model_config"] = dt_config_dict(model_config)
+        for task_name, corridor_length, k in config.runs():
+            task = make_task(task_name, config, corridor_length)
+            results.append(run_task(task, k, seed, config, model_config, backbone, device))
+            # The raw results so far, before any summary: a later crash (or a NaN) loses no finished run.
+            write_results(out_dir, stem, {**report, **times()}, None, command=command, machine=machine)
+    report.update(summary=summarize(results), memory_pairs=memory_pairs(results), complete=True, **times())
+    files = [f"{stem}.json", f"{stem}.md"]
+    files += ["markov.png"] if any(r["corridor_length"] is None for r in results) else []
+    files += ["markov-memory.png"] if any(r["corridor_length"] is not None for r in results) else []
+    report["files"] = files
+    write_results(out_dir, stem, report, None, command=command, machine=machine)  # the summary before any table
+    write_results(out_dir, stem, report, format_tables(report), command=command, machine=machine)
+    if "markov.png" in files:
+        plot_markov(_grid_view(report), out_dir / "markov.png")
+    if "markov-memory.png" in files:
+        plot_memory(report, out_dir / "markov-memory.png")
     return report
+
+
+def _grid_view(report: dict) -> dict:
+    """``report`` with only the grid-world tasks' results and summary rows (those without a corridor length)."""
+    results = [r for r in report["results"] if r.get("corridor_length") is None]
+    summary = {row: by_k for row, by_k in report["summary"].items()
+               if next(iter(by_k.values())).get("corridor_length") is None}  # fmt: skip
+    return {**report, "results": results, "summary": summary}
 
 
 def _g(result: dict, key: str = "g_markov_init_heads") -> float:
@@ -511,31 +732,119 @@ def _g(result: dict, key: str = "g_markov_init_heads") -> float:
     return float(sum(result[key].values()))
 
 
+def nan_tolerant_stats(values) -> dict:
+    """:func:`seed_stats` of the finite values, where a NaN (or inf) can legitimately occur (a diverged
+    training's loss, gate weights and G_Markov): ``"nan"`` counts the values left out, ``"values"`` keeps
+    every value in seed order, and ``"n"`` is the finite count (mean, sd, min and max NaN when it is 0)."""
+    array = np.asarray(values, dtype=np.float64).reshape(-1)
+    finite = np.isfinite(array)
+    if finite.any():
+        stats = seed_stats(array[finite])
+    else:
+        stats = {"mean": math.nan, "std": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {**stats, "values": array.tolist(), "nan": int((~finite).sum())}
+
+
+def _fmt(stats: dict, digits: int = 3) -> str:
+    """:func:`format_stats`, with the values a NaN left out of the mean counted: ``0.5 ± 0.1 (n=4, 1 NaN)``."""
+    bad = stats.get("nan", 0)
+    if stats["n"] == 0:
+        return f"NaN (n=0, {bad} NaN)"
+    text = format_stats(stats, digits)
+    return f"{text[:-1]}, {bad} NaN)" if bad else text
+
+
+def _nan_mean(rows) -> list:
+    """The mean over seeds of per-seed lists, NaN entries left out (NaN where every seed's is)."""
+    array = np.asarray(rows, dtype=np.float64)
+    finite = np.isfinite(array)
+    counts = finite.sum(axis=0)
+    sums = np.where(finite, array, 0.0).sum(axis=0)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), math.nan).tolist()
+
+
 def summarize(results: list[dict]) -> dict:
-    """Per ``task`` and ``k``: mean, standard deviation (over seeds) and per-seed values of the headline numbers."""
+    """Per row (the task, or ``<task>_C<C>`` for a cue task) and ``k``: mean, standard deviation (over seeds)
+    and per-seed values of the headline numbers. NaN-tolerant (:func:`nan_tolerant_stats`): a diverged run
+    is counted, not fatal."""
     summary: dict = {}
-    for key in dict.fromkeys((r["task"], r["k"]) for r in results):
-        group = [r for r in results if (r["task"], r["k"]) == key]
+    stats = nan_tolerant_stats
+    for key in dict.fromkeys((r.get("row", r["task"]), r["k"]) for r in results):
+        group = [r for r in results if (r.get("row", r["task"]), r["k"]) == key]
         first = group[0]
-        gates = {layer: np.mean([r["gate_weights_all_tokens"][layer] for r in group], axis=0).tolist()
+        gates = {layer: _nan_mean([r["gate_weights_all_tokens"][layer] for r in group])
                  for layer in first["gate_weights_all_tokens"]}  # fmt: skip
+        cue = {}
+        if first.get("corridor_length") is not None:
+            cue = {name: stats([r[name] for r in group])
+                   for name in ("success_rate", "success_rate_data", "success_rate_random")}  # fmt: skip
         summary.setdefault(key[0], {})[str(key[1])] = {
+            "task": first["task"],
+            "label": first.get("label", first["task"]),
+            "corridor_length": first.get("corridor_length"),
+            "memory_need": first.get("memory_need"),
             "horizon": first["horizon"],
             "seeds": [r["seed"] for r in group],
-            "g_markov_at_init": seed_stats([sum(r["g_markov_at_init"].values()) for r in group]),
-            "g_markov": seed_stats([_g(r) for r in group]),
-            "g_markov_state_tokens": seed_stats([_g(r, "g_markov_init_heads_state_tokens") for r in group]),
-            "g_markov_final_heads": seed_stats([_g(r, "g_markov_final_heads") for r in group]),
+            "g_markov_at_init": stats([sum(r["g_markov_at_init"].values()) for r in group]),
+            "g_markov": stats([_g(r) for r in group]),
+            "g_markov_state_tokens": stats([_g(r, "g_markov_init_heads_state_tokens") for r in group]),
+            "g_markov_final_heads": stats([_g(r, "g_markov_final_heads") for r in group]),
             "gate_weights_all_tokens_mean": gates,
-            "head_importance_mean": np.mean([r["head_importance"] for r in group], axis=0).tolist(),
+            "head_importance_mean": np.asarray(_nan_mean([np.ravel(r["head_importance"]) for r in group]))
+            .reshape(np.shape(first["head_importance"]))
+            .tolist(),
             "markov_heads_still_markov": [
                 r["markov_after"]["markov_heads"] == r["markov_before"]["markov_heads"] for r in group
             ],  # fmt: skip
-            **{f"return_{name}": seed_stats([r["returns"][name] for r in group]) for name in first["returns"]},
-            "held_out_loss": seed_stats([r["held_out_loss"] for r in group]),
-            "train_seconds": seed_stats([r["train_seconds"] for r in group]),
+            **{f"return_{name}": stats([r["returns"][name] for r in group]) for name in first["returns"]},
+            **cue,
+            "held_out_loss": stats([r["held_out_loss"] for r in group]),
+            "train_seconds": stats([r["train_seconds"] for r in group]),
         }
     return summary
+
+
+#: The G_Markov numbers compared between the cue tasks: summary name -> result key.
+PAIRED_METRICS = {"g_markov": "g_markov_init_heads", "g_markov_state_tokens": "g_markov_init_heads_state_tokens"}
+
+
+def paired_differences(results: list[dict], metric: str = "g_markov") -> list[dict]:
+    """``cue_visible`` minus ``cue_hidden`` G_Markov, seed by seed, per corridor length and ``k``.
+
+    Both tasks of a seed and corridor length start from the same backbone and train on the same
+    trajectories, so the per-seed difference removes the variation between initialisations and datasets.
+    ``metric``: ``"g_markov"`` (all tokens) or ``"g_markov_state_tokens"``. One dict per ``(C, k)`` run by
+    both tasks, in run order: ``corridor_length``, ``k``, ``seeds`` (run by both), ``differences`` (per
+    seed), ``stats`` (:func:`nan_tolerant_stats` of them) and ``paper_sign``, how many differences are
+    positive (the paper's short-term G_Markov above the long-term one).
+    """
+    key = PAIRED_METRICS[metric]
+    by_point: dict = {}
+    for r in results:
+        if r.get("corridor_length") is not None:
+            by_point.setdefault((r["corridor_length"], r["k"]), {}).setdefault(r["task"], {})[r["seed"]] = _g(r, key)
+    pairs = []
+    for (corridor_length, k), tasks in by_point.items():
+        visible, hidden = tasks.get("cue_visible", {}), tasks.get("cue_hidden", {})
+        seeds = [seed for seed in visible if seed in hidden]
+        if not seeds:
+            continue
+        differences = [visible[seed] - hidden[seed] for seed in seeds]
+        pairs.append({"corridor_length": corridor_length, "k": k, "seeds": seeds, "differences": differences,
+                      "stats": nan_tolerant_stats(differences),
+                      "paper_sign": int(sum(d > 0 for d in differences))})  # fmt: skip
+    return pairs
+
+
+def memory_pairs(results: list[dict]) -> list[dict]:
+    """:func:`paired_differences` for both metrics, merged per ``(C, k)``: the report's ``"memory_pairs"``."""
+    merged: dict = {}
+    for metric in PAIRED_METRICS:
+        for pair in paired_differences(results, metric):
+            entry = merged.setdefault((pair["corridor_length"], pair["k"]), {
+                "corridor_length": pair["corridor_length"], "k": pair["k"], "seeds": pair["seeds"]})  # fmt: skip
+            entry[metric] = {"differences": pair["differences"], **pair["stats"], "paper_sign": pair["paper_sign"]}
+    return list(merged.values())
 
 
 def _paired_lines(summary: dict, k: str) -> list[str]:
@@ -551,7 +860,7 @@ def _paired_lines(summary: dict, k: str) -> list[str]:
         for task in long:
             diff = np.subtract(summary[short[0]][k][name]["values"], summary[task][k][name]["values"])
             per_seed = [round(float(v), 3) for v in diff]
-            lines.append(f"- {short[0]} - {task} ({where}): per seed {per_seed}, mean {format_stats(seed_stats(diff))}")
+            lines.append(f"- {short[0]} - {task} ({where}): per seed {per_seed}, mean {_fmt(nan_tolerant_stats(diff))}")
     return lines
 
 
@@ -567,13 +876,12 @@ def _listed(value) -> str:
 
 
 def format_tables(report: dict) -> str:
-    """Markdown: returns and G_Markov per task (mean ± sd over seeds), gate weight, importance and
-    Markov ratio per head, and G_Markov against k when several k were run."""
-    config, results, summary = report["config"], report["results"], report["summary"]
+    """Markdown: for the grid-world tasks, returns and G_Markov per task (mean ± sd over seeds), gate weight,
+    importance and Markov ratio per head, and G_Markov against k when several k were run; for the cue
+    tasks, G_Markov against memory need and against k with the paired differences (:func:`memory_tables`)."""
+    config, results = report["config"], report["results"]
     model = report["model_config"]
-    first_k = min(r["k"] for r in results)
-    tasks = list(summary)
-    seeds = summary[tasks[0]][str(first_k)]["seeds"]
+    seeds = list(dict.fromkeys(r["seed"] for r in results))
     backbone = (f"GPT-2 weights from {config['gpt2']}" if config["gpt2"]
                 else f"Markov-initialised heads {_listed(config['markov_heads'])} of layer 0")  # fmt: skip
     lines = [
@@ -584,6 +892,29 @@ def format_tables(report: dict) -> str:
         "(mean ± sd over seeds). Wall time "
         f"{report['wall_seconds']:.0f} s, process CPU time {report['cpu_seconds']:.0f} s ({report['device']}, "
         f"{report['torch_threads']} torch threads).",
+    ]
+    grid = _grid_view(report)
+    if grid["results"]:
+        lines += _grid_tables(grid)
+    if len(grid["results"]) < len(results):
+        lines += memory_tables(report)
+    nan = sum(stats.get("nan", 0) for by_k in report["summary"].values() for s in by_k.values()
+              for stats in s.values() if isinstance(stats, dict))  # fmt: skip
+    if nan:
+        lines += ["", f"NaN: {nan} per-seed numbers came out NaN (a diverged training: its loss, gate weights and "
+                  "G_Markov); each mean ± sd leaves them out and says so (`1 NaN`); the JSON keeps them "
+                  "under \"values\" and the raw \"results\"."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _grid_tables(report: dict) -> list[str]:
+    """The grid-world tasks' tables (``report`` holds only their results and summary rows)."""
+    results, summary = report["results"], report["summary"]
+    model = report["model_config"]
+    first_k = min(r["k"] for r in results)
+    tasks = list(summary)
+    seeds = summary[tasks[0]][str(first_k)]["seeds"]
+    lines = [
         "",
         f"## Returns and G_Markov (k = {first_k})",
         "",
@@ -596,10 +927,10 @@ def format_tables(report: dict) -> str:
     ]
     for task in tasks:
         s = summary[task][str(first_k)]
-        returns = [format_stats(s[f"return_{name}"], 2) for name in ("model", "data_mean", "data_last_tenth",
-                                                                       "random", "optimal")]  # fmt: skip
-        losses_and_g = [format_stats(s[name]) for name in ("held_out_loss", "g_markov_at_init", "g_markov",
-                                                           "g_markov_state_tokens")]  # fmt: skip
+        returns = [_fmt(s[f"return_{name}"], 2) for name in ("model", "data_mean", "data_last_tenth",
+                                                              "random", "optimal")]  # fmt: skip
+        losses_and_g = [_fmt(s[name]) for name in ("held_out_loss", "g_markov_at_init", "g_markov",
+                                                   "g_markov_state_tokens")]  # fmt: skip
         lines.append(f"| {task} | {s['horizon']} | " + " | ".join(returns + losses_and_g) + " |")
     lines += [
         "",
@@ -649,10 +980,147 @@ def format_tables(report: dict) -> str:
             for task in tasks:
                 s, base = summary[task][str(k)], summary[task][str(ks[0])]["g_markov"]["mean"]
                 ratio = s["g_markov"]["mean"] / base if base else math.nan
-                model_return, g = format_stats(s["return_model"], 2), format_stats(s["g_markov"])
+                model_return, g = _fmt(s["return_model"], 2), _fmt(s["g_markov"])
                 cells.append(f"{model_return} | {g} | {100 * ratio:.1f}%")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
+
+
+def _cue_axes(results: list[dict]) -> tuple[dict, dict, list[str]]:
+    """The cue runs' two axes: ``{k: corridor lengths}`` of each memory-need table (each k run at several
+    corridor lengths; every k when no axis has two points), ``{C: ks}`` of each k table (each corridor length
+    run at several k), and the cue tasks that ran."""
+    cs_by_k: dict = {}
+    ks_by_c: dict = {}
+    for r in results:
+        if r.get("corridor_length") is not None:
+            cs_by_k.setdefault(r["k"], set()).add(r["corridor_length"])
+            ks_by_c.setdefault(r["corridor_length"], set()).add(r["k"])
+    memory_axes = {k: sorted(cs) for k, cs in sorted(cs_by_k.items()) if len(cs) > 1}
+    k_axes = {c: sorted(ks) for c, ks in sorted(ks_by_c.items()) if len(ks) > 1}
+    if not memory_axes and not k_axes:
+        memory_axes = {k: sorted(cs) for k, cs in sorted(cs_by_k.items())}
+    tasks = [task for task in CUE_TASKS if any(r["task"] == task for r in results)]
+    return memory_axes, k_axes, tasks
+
+
+def memory_tables(report: dict) -> list[str]:
+    """The cue tasks' tables: per memory-need axis (one ``k``) and per k axis (one corridor length), G_Markov
+    (all tokens, state tokens) and success per (task, C, k), then the paired differences visible - hidden."""
+    summary, results = report["summary"], report["results"]
+    pairs = {(p["corridor_length"], p["k"]): p for p in report.get("memory_pairs") or memory_pairs(results)}
+    memory_axes, k_axes, tasks = _cue_axes(results)
+    lines = [
+        "",
+        "## Cue Corridor: G_Markov against memory need and context length",
+        "",
+        "cue_visible shows the cue on every step (memory need 0), cue_hidden on the first step only (memory need "
+        "C, the corridor length); episodes last C + 4 steps, the optimal one C + 1, and a DT window never leaves "
+        "its episode. G_Markov: the summed MoA weight of the heads Markov at initialisation, over all tokens and "
+        "over the state tokens (where the action is read) of held-out windows. Success: the fraction of episodes "
+        "ending on the cued end (the trained policy with target return 1; the data; a random policy). "
+        "Visible - hidden: per seed (same backbone, same trajectories), mean ± sd, and how many seeds have the "
+        "paper's sign (> 0: more Markov-head weight on the short-term task).",
+    ]
+    for k, corridors in memory_axes.items():
+        lines += ["", f"### Against memory need (k = {k})", ""]
+        lines += _cue_table(summary, [(task, c, k) for c in corridors for task in tasks])
+        lines += _pair_table(pairs, [(c, k) for c in corridors])
+    for c, ks in k_axes.items():
+        lines += ["", f"### Against context length k (C = {c}: the cue is in the context at the junction from "
+                  f"k = {c + 1}; an episode lasts at most {c + 4} steps)", ""]  # fmt: skip
+        lines += _cue_table(summary, [(task, c, k) for k in ks for task in tasks])
+        lines += _pair_table(pairs, [(c, k) for k in ks])
+    return lines
+
+
+def _cue_table(summary: dict, points: list[tuple[str, int, int]]) -> list[str]:
+    lines = [
+        "| task | C | memory need | k | success (trained) | success (data) | success (random) | held-out loss | "
+        "G_Markov init | G_Markov (all tokens) | G_Markov (state tokens) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for task, c, k in points:
+        s = summary.get(f"{task}_C{c}", {}).get(str(k))
+        if s is None:
+            continue
+        cells = [_fmt(s[name], 2) for name in ("success_rate", "success_rate_data", "success_rate_random")]
+        cells += [_fmt(s[name]) for name in ("held_out_loss", "g_markov_at_init", "g_markov", "g_markov_state_tokens")]
+        lines.append(f"| {task} | {c} | {s['memory_need']} | {k} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _pair_table(pairs: dict, points: list[tuple[int, int]]) -> list[str]:
+    rows = [pairs[point] for point in points if point in pairs]
+    if not rows:
+        return []
+    lines = ["", "| C | k | visible - hidden (all tokens) | per seed | paper's sign | visible - hidden (state tokens) "
+             "| per seed | paper's sign |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for pair in rows:
+        cells = []
+        for metric in PAIRED_METRICS:
+            entry = pair[metric]
+            per_seed = ", ".join(f"{d:+.3f}" for d in entry["differences"])
+            cells += [_fmt(entry), f"{per_seed}", f"{entry['paper_sign']}/{len(entry['differences'])}"]
+        lines.append(f"| {pair['corridor_length']} | {pair['k']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot_memory(report: dict, path: Path) -> None:
+    """The cue tasks. Left: G_Markov against memory need (0: cue_visible at each corridor length, side by
+    side; C: cue_hidden) at the first memory-need axis's k. Right: G_Markov against k at the first k axis's
+    corridor length. All tokens and state tokens; error bars: sample sd over seeds."""
+    plt = pyplot()
+    summary = report["summary"]
+    memory_axes, k_axes, tasks = _cue_axes(report["results"])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    where = {"g_markov": "all tokens", "g_markov_state_tokens": "state tokens"}
+
+    def point(task, c, k, metric):
+        s = summary.get(f"{task}_C{c}", {}).get(str(k))
+        return (math.nan, math.nan) if s is None else (s[metric]["mean"], s[metric]["std"])
+
+    if memory_axes:
+        k, corridors = next(iter(memory_axes.items()))
+        for color, metric in zip(("C0", "C1"), where):
+            if "cue_hidden" in tasks:
+                y, e = zip(*(point("cue_hidden", c, k, metric) for c in corridors))
+                left.errorbar(corridors, y, yerr=e, color=color, marker="s", capsize=3,
+                              label=f"cue_hidden ({where[metric]})")  # fmt: skip
+            if "cue_visible" in tasks:
+                # Every cue_visible point has memory need 0: side by side around 0, in corridor order.
+                offsets = 0.04 * max(corridors) * (np.arange(len(corridors)) - (len(corridors) - 1) / 2)
+                y, e = zip(*(point("cue_visible", c, k, metric) for c in corridors))
+                left.errorbar(offsets, y, yerr=e, color=color, marker="o", linestyle="none", mfc="white", capsize=3,
+                              label=f"cue_visible, C = {', '.join(map(str, corridors))} ({where[metric]})")  # fmt: skip
+                for x, value, c in zip(offsets, y, corridors):
+                    left.annotate(f"C={c}", (x, value), textcoords="offset points", xytext=(3, 3), fontsize=6)
+        left.set_xticks([0, *corridors])
+        left.set_title(f"G_Markov against memory need (k = {k})")
+    else:
+        left.set_title("G_Markov against memory need: one corridor length only")
+    left.set_xlabel("memory need (steps): 0 for cue_visible, C for cue_hidden")
+    if k_axes:
+        c, ks = next(iter(k_axes.items()))
+        for color, metric in zip(("C0", "C1"), where):
+            for task, style in (("cue_visible", "--"), ("cue_hidden", "-")):
+                if task in tasks:
+                    y, e = zip(*(point(task, c, k, metric) for k in ks))
+                    right.errorbar(ks, y, yerr=e, color=color, linestyle=style, marker="o", capsize=3,
+                                   label=f"{task} ({where[metric]})")  # fmt: skip
+        right.axvline(c + 1, color="gray", linestyle=":", linewidth=1, label=f"k = C + 1 = {c + 1}")
+        right.set_title(f"G_Markov against context length (C = {c})")
+    else:
+        right.set_title("G_Markov against context length: one k per corridor length")
+    right.set_xlabel("context length k (steps)")
+    for axis in (left, right):
+        axis.set_ylabel("G_Markov (mean ± sd over seeds)")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def plot_markov(report: dict, path: Path) -> None:
@@ -710,12 +1178,12 @@ def plot_markov(report: dict, path: Path) -> None:
 
 def format_summary(report: dict) -> str:
     """A plain-text table of the summary (mean ± sd over seeds) and the run's time."""
-    lines = [f"{'task':<18} {'k':>3} {'return':>18} {'data':>6} {'random':>6} {'G_init':>7} {'G_trained':>21}"]
-    for task, by_k in report["summary"].items():
+    lines = [f"{'task':<20} {'k':>3} {'return':>18} {'data':>6} {'random':>6} {'G_init':>7} {'G_trained':>21}"]
+    for by_k in report["summary"].values():
         for k, s in by_k.items():
-            model_return, g = format_stats(s["return_model"], 2), format_stats(s["g_markov"])
+            model_return, g = _fmt(s["return_model"], 2), _fmt(s["g_markov"])
             lines.append(
-                f"{task:<18} {k:>3} {model_return:>18} {s['return_data_mean']['mean']:>6.2f} "
+                f"{s.get('label', s.get('task')):<20} {k:>3} {model_return:>18} {s['return_data_mean']['mean']:>6.2f} "
                 f"{s['return_random']['mean']:>6.2f} {s['g_markov_at_init']['mean']:>7.3f} {g:>21}"
             )
     lines.append(f"total {report['wall_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU")
@@ -735,7 +1203,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_experiment(config, command=command_string("icrl-markov", argv))
     print(format_summary(report))
     out_dir = Path(config.out_dir)
-    print(f"wrote {out_dir / 'markov.json'}, {out_dir / 'markov.md'} and {out_dir / 'markov.png'}")
+    print("wrote " + ", ".join(str(out_dir / name) for name in report["files"]))
     return 0
 
 
