@@ -130,6 +130,7 @@ def preset_configs(experiment: str, preset: str, out_dir: Path, data: str, seed:
                     "weight_decay": wd, "beta1": beta1, "attention_dropout": attention_dropout,
                     "embedding_dropout": dropout, "residual_dropout": dropout, "sample_actions": sample,
                     "embed_dim": 128 if experiment == "darkroom" else 64}  # fmt: skip
+        headless["select_tau"] = 1.0  # the official code samples from softmax(similarity): temperature 1, not tau
         layers, heads, width, smoothing, lr, wd, beta1, attention_dropout, dropout, sample = table4[experiment]
         ad = {"num_layers": layers, "num_heads": heads, "d_model": width, "label_smoothing": smoothing,
               "learning_rate": lr, "weight_decay": wd, "beta1": beta1, "attention_dropout": attention_dropout,
