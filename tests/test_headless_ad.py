@@ -281,6 +281,25 @@ def test_ablations_command_end_to_end(tmp_path, capsys):
     assert table.startswith("Command: `icrl-headless --ablations preset")
     assert table.count("| no action-set prompt |") == 2 and "gap" in capsys.readouterr().out
     assert len(list((out / "ablations").iterdir())) == 2
+    # A rerun trains nothing and evaluates nothing: the scores are kept beside each run.
+    import icrl_models.experiments.headless_ad as experiments
+
+    def no_scoring(*args, **kwargs):
+        raise AssertionError("a finished ablation was scored again")
+
+    original_score = experiments._score_ablation
+    experiments._score_ablation = no_scoring
+    experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
+    try:
+        assert headless_main(argv) == 0
+    finally:
+        experiments._score_ablation = original_score
+        experiments._BANDIT_BASE.clear()
+        experiments._BANDIT_BASE.update(original)
+    rerun = json.loads((out / "headless-ablations.json").read_text())["ablations"]
+    assert {name: entry["scores"] for name, entry in rerun.items()} == {
+        name: entry["scores"] for name, entry in results["ablations"].items()
+    }
 
 
 @pytest.mark.parametrize("model", ["headless_ad", "ad"])

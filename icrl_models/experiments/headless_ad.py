@@ -28,6 +28,7 @@ evaluation set).
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -248,33 +249,50 @@ def run_ablations(config: HeadlessExperimentConfig, *, command: str | None = Non
     preset = _train_configs(dataclasses.replace(config, baseline=False), out_dir)["headless_ad"]
     device = resolve_device(config.device, 0)
     results: dict = {"config": dataclasses.asdict(config), "arms": list(ABLATION_ARMS), "ablations": {}}
-    for name in config.ablations:
+    machine = machine_description(device)
+    for index, name in enumerate(config.ablations):
         slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
         train_config = dataclasses.replace(preset, **ABLATIONS[name], out_dir=str(out_dir / "ablations" / slug))
         start = time.perf_counter()
         train(train_config)
-        rows = {}
-        for fraction in config.select_temperatures:
-            scored = dataclasses.replace(train_config, select_tau=fraction * train_config.tau)
-            model, histories = load_trained(scored, device)
-            rows[str(fraction)] = {}
-            for arms in ABLATION_ARMS:
-                eval_config = dataclasses.replace(scored, eval_distribution="uniform", eval_num_arms=arms)
-                values = [
-                    run_evaluation(model, eval_config, histories, seed=seed).summary["normalized_score"]
-                    for seed in config.eval_seeds
-                ]
-                rows[str(fraction)][arms] = seed_stats(values)
+        # Scores are kept beside the run, keyed by what was evaluated: a rerun (or a resumed sweep) reuses them.
+        key = {"temperatures": list(config.select_temperatures), "arms": list(ABLATION_ARMS),
+               "eval_seeds": list(config.eval_seeds), "eval_tasks": config.eval_tasks}  # fmt: skip
+        cache = Path(train_config.out_dir) / "ablation-scores.json"
+        cached = json.loads(cache.read_text()) if cache.exists() else {}
+        if cached.get("key") == key:
+            rows = cached["scores"]
+        else:
+            rows = _score_ablation(train_config, config, device)
+            cache.write_text(json.dumps({"key": key, "scores": rows}, indent=1))
         results["ablations"][name] = {
             "overrides": ABLATIONS[name],
             "scores": rows,
             "seconds": round(time.perf_counter() - start, 1),
         }
-    write_results(
-        out_dir, "headless-ablations", results, ablations_table(results), command=command,
-        machine=machine_description(device),
-    )  # fmt: skip
+        results["complete"] = index + 1 == len(config.ablations)
+        # Written after every ablation, so a killed sweep keeps the finished rows.
+        write_results(
+            out_dir, "headless-ablations", results, ablations_table(results), command=command, machine=machine
+        )
     return results
+
+
+def _score_ablation(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:
+    """``{temperature fraction: {arms: seed_stats of the normalised score}}`` of one trained variant."""
+    rows: dict = {}
+    for fraction in config.select_temperatures:
+        scored = dataclasses.replace(train_config, select_tau=fraction * train_config.tau)
+        model, histories = load_trained(scored, device)
+        rows[str(fraction)] = {}
+        for arms in ABLATION_ARMS:
+            eval_config = dataclasses.replace(scored, eval_distribution="uniform", eval_num_arms=arms)
+            values = [
+                run_evaluation(model, eval_config, histories, seed=seed).summary["normalized_score"]
+                for seed in config.eval_seeds
+            ]
+            rows[str(fraction)][arms] = seed_stats(values)
+    return rows
 
 
 def ablations_table(results: dict) -> str:
