@@ -86,7 +86,7 @@ ABLATIONS: dict[str, dict] = {
     "beta1 0.68 (paper)": {"beta1": 0.68},
     "learning rate 3e-4": {"learning_rate": 3e-4},
     "4000 steps": {"steps": 4000},
-    "separate action, reward, state tokens (paper)": {"step_tokens": "separate"},
+    "separate action/reward/state tokens (paper)": {"step_tokens": "separate"},
 }
 #: Arm counts the ablations are scored on (uniform means): the training counts, then more arms.
 ABLATION_ARMS = ("4-20", "20", "50")
