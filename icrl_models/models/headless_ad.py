@@ -27,6 +27,8 @@ previous action's embedding (zeros before the first action) and the previous rew
 projected. ``"separate"``, as the paper's code: three tokens per step, the previous action, the previous
 reward and the state, in that order, each embedded on its own; positions count tokens, and the action is
 read at the state token. Three times the tokens: about 3x the MLP and 9x the attention work.
+Experimental: in the one CPU run (Bernoulli, 1500 steps) it reached the joint model's training loss but
+scored about 0 in rollouts; not yet understood (see the ablations in ``benchmarks/results/README.md``).
 """
 
 from __future__ import annotations
