@@ -15,7 +15,19 @@ if _XDIST_WORKERS > 1:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _XDIST_WORKERS))
 
 
+def _runs_on_cuda(item) -> bool:
+    """Whether a test is parametrised with the device ``"cuda"`` (as ``icrl_kernels.testing.triton_devices``
+    gives it), alone or inside a tuple of parameters."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    values = [part for value in params.values() for part in (value if isinstance(value, tuple) else (value,))]
+    return any(isinstance(value, str) and value == "cuda" for value in values)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _runs_on_cuda(item):
+            item.add_marker(pytest.mark.gpu)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

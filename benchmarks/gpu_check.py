@@ -1,12 +1,14 @@
 """Staged GPU check: everything the first CUDA session must measure, in stages that each fit one command.
 
-GPU time comes rarely and in short commands (say 30 minutes in commands of at most 10), so every stage
+GPU time comes rarely and in short commands (15 device-minutes a session, commands of at most 10, a
+machine start of about 30 s), so every stage
 is independent, writes its results into the output folder the moment it ends (a stage killed at its
 time limit loses only itself) and stops itself after ``--timeout`` seconds (default 480: inside a 10-minute
 command with room to copy the files back)::
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages env,parity   # first command
-    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs,headline
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline     # ~4-5 min on an H200
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages full-ngram,full-infonce
     PYTHONPATH=. python3 benchmarks/gpu_check.py --list                     # stages, commands, estimates
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --dry-run             # CPU rehearsal of every stage
@@ -16,11 +18,14 @@ Stages (in order; ``--stages all`` runs them all):
 ========== ==============================================================================================
 ``env``    nvidia-smi, Python / torch / triton / CUDA versions, SMs and L2, and the two ceilings measured
            on the device: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul peak
-``parity`` the test suite on the GPU (pytest-xdist ``-n 8`` where installed), then compute-sanitizer
-           memcheck on a few edge-case tests of every kernel
+``parity`` the CUDA tests (``pytest -m gpu tests``, one pytest-xdist worker per core up to 16 where
+           installed; 2-4 min on an H200's 16 cores), then compute-sanitizer memcheck on a few
+           edge-case tests of every kernel. Give it ~5 minutes for the memcheck to run too
 ``configs`` every autotune config of every kernel forced once against the reference
            (``tests/test_autotune_configs.py``)
 ``headline`` one benchmark case per target (docs/performance.md) (``pytest -m headline``) and its summary table
+``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
+           ``--backend reference``: steps per second, and whether the loss falls
 ``full-*`` the remaining benchmarks (``-m "not headline"``), one slice per op so each fits a command
 ========== ==============================================================================================
 
@@ -296,8 +301,11 @@ def stage_parity(ctx: Context) -> tuple[str, dict]:
             collected = re.findall(r"(\d+) tests? collected", (ctx.out / "parity.log").read_text())
             results["suite"] = {"exit": code, **_junit_counts(junit), "tests": int(collected[-1]) if collected else 0}
         else:
-            xdist = ["-n", "8"] if _has_xdist() else []
-            code = _pytest(ctx, [*xdist, "tests"], "parity.log", junit)
+            # The CUDA tests only (marked ``gpu``): the CPU suite is CI's. Their cost is Triton compiles,
+            # which are CPU-bound, so one xdist worker per core (up to 16).
+            workers = min(16, len(os.sched_getaffinity(0)))
+            xdist = ["-n", str(workers)] if _has_xdist() and workers > 1 else []
+            code = _pytest(ctx, [*xdist, "-m", "gpu", "tests"], "parity.log", junit)
             results["suite"] = {"exit": code, **_junit_counts(junit)}
 
         sanitizer = None if ctx.dry_run else (shutil.which("compute-sanitizer") or _find_sanitizer())
@@ -365,6 +373,64 @@ def stage_headline(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "headline", ["benchmarks", "-m", "headline"])
 
 
+#: The training runs of the ``train`` stage: ``(name, icrl-train flags)``, each with ``backend="auto"`` and
+#: ``"reference"``. The main job (N-Gram AD, width 64) and N-Gram AD at the paper's width 512.
+TRAIN_RUNS = [
+    ("main-job", []),
+    ("ngram-ad-512", ["--d-model", "512", "--num-heads", "8", "--seq-len", "250", "--batch-size", "64"]),
+]
+
+
+def _loss_trend(metrics_path: Path) -> dict:
+    """Steps per second (median of the logged rows after the first) and the loss at the start and the end
+    (means of the first and last five logged rows) of one run's ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [row for row in rows if "loss" in row]
+    if not rows:
+        return {"rows": 0}
+    speeds = sorted(row["steps_per_second"] for row in rows[1:]) or [rows[0]["steps_per_second"]]
+    first = sum(row["loss"] for row in rows[:5]) / len(rows[:5])
+    last = sum(row["loss"] for row in rows[-5:]) / len(rows[-5:])
+    return {"rows": len(rows), "steps_per_second": speeds[len(speeds) // 2], "loss_first": first,
+            "loss_last": last, "loss_falls": last < first}  # fmt: skip
+
+
+def stage_train(ctx: Context) -> tuple[str, dict]:
+    """A few hundred steps of ``icrl-train`` per run of :data:`TRAIN_RUNS` on the device (bf16 autocast on
+    CUDA), with the fused kernels and with ``--backend reference``: steps per second, and that the loss falls."""
+    steps, histories, episodes = (4, 4, 10) if ctx.dry_run else (400, 200, 100)
+    runs_dir = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
+    data = runs_dir / "main-job-auto" / "train.icrl"
+    common = ["--steps", str(steps), "--num-histories", str(histories), "--source-episodes", str(episodes),
+              "--log-every", "1" if ctx.dry_run else "20", "--checkpoint-every", str(10 * steps), "--eval-tasks", "2",
+              "--eval-episodes", "2", "--eval-envs-per-task", "1", "--device", ctx.device, "--no-progress"]  # fmt: skip
+    results, codes = [], []
+    for name, flags in TRAIN_RUNS:
+        if ctx.dry_run:  # the plumbing only: interpreted kernels at width 512 would take many minutes
+            flags = ["--seq-len", "20", "--batch-size", "4"]
+        for backend in ("eager", "reference") if ctx.dry_run else ("auto", "reference"):
+            run_dir = runs_dir / f"{name}-{backend}"
+            reuse = ["--data", str(data)] if data.exists() else []  # the first run generates the histories
+            command = [sys.executable, "-m", "icrl_models.train", *common, *flags, *reuse, "--backend", backend,
+                       "--out-dir", str(run_dir)]  # fmt: skip
+            code = ctx.run(command, "train.log")
+            codes.append(code)
+            metrics = run_dir / "metrics.jsonl"
+            trend = _loss_trend(metrics) if metrics.exists() else {"rows": 0}
+            results.append({"run": name, "backend": backend, "flags": flags, "exit": code, **trend})
+            ctx.write("train.json", results)  # after every run: a stage stopped at its limit keeps the rest
+    lines = ["# Training runs (icrl-train)", "", f"{steps} steps each; loss: mean of the first / last 5 logged rows",
+             "", "| run | backend | exit | steps/s | loss first | loss last | falls |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        cells = [r["run"], r["backend"], r["exit"], *(f"{r[k]:.3g}" if k in r else "-" for k in
+                 ("steps_per_second", "loss_first", "loss_last")), r.get("loss_falls", "-")]  # fmt: skip
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    ctx.write("train.md", "\n".join(lines) + "\n")
+    status = "timed out" if 124 in codes else "passed" if all(code == 0 for code in codes) else "failed"
+    return status, {"runs": len(results)}
+
+
 def _full_stage(name: str, files: list[str], expression: str | None) -> Callable[[Context], tuple[str, dict]]:
     def stage(ctx: Context) -> tuple[str, dict]:
         args = [*files, "-m", "not headline"] + (["-k", expression] if expression else [])
@@ -375,13 +441,16 @@ def _full_stage(name: str, files: list[str], expression: str | None) -> Callable
 
 STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
     "env": (stage_env, "~1 min: versions, nvidia-smi, a 1 GiB copy and an 8192^3 bf16 matmul, 10 each"),
-    "parity": (stage_parity, "~4-7 min (estimate): ~1300 tests, of which ~600 CUDA kernel tests whose cost is "
-               "Triton compiles (~500 specialisations x configs at ~1-2 s each, on 8 xdist workers); "
+    "parity": (stage_parity, "~4-6 min (on an H200 the suite took 126 s once and did not end within 195 s "
+               "the next time): the ~400 CUDA tests (-m gpu) whose cost is Triton "
+               "compiles (~500 specialisations x configs at ~1-2 s each, one xdist worker per core); "
                "memcheck on ~40 edge tests"),
     "configs": (stage_configs, "~2-4 min (estimate): one compile (~1-2 s) + one fwd/bwd per config of every "
                 "autotuned kernel"),
-    "headline": (stage_headline, "~3-6 min (estimate): ~1 s of timed calls per case plus autotuning and "
-                 "torch.compile/FlexAttention compiles"),
+    "headline": (stage_headline, "~4-5 min (measured on an H200: 36 cases in 166 s, then 24 in 106 s): ~1 s "
+                 "of timed calls per case plus autotuning and torch.compile/FlexAttention compiles"),
+    "train": (stage_train, "~3-5 min (estimate): 400 steps of icrl-train, the main job and N-Gram AD at width "
+              "512, each with the fused kernels and with --backend reference, after 200 histories are generated"),
     **{name: (_full_stage(name, files, expression), "up to 8 min: stopped at --timeout, results kept")
        for name, files, expression in FULL_SLICES},
 }  # fmt: skip

@@ -26,9 +26,14 @@ def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+#: Looked up once: ``torch.compile`` cannot trace ``importlib.util.find_spec`` (a graph break, an error
+#: under ``fullgraph=True``), and the answer does not change within a process.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """True when the ``triton`` package can be imported (it is Linux-only)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def triton_runs_on(device: torch.device) -> bool:

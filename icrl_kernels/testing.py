@@ -67,19 +67,18 @@ def assert_close_rel(
     assert max_abs <= max_abs_tol, f"{name}: max abs error {max_abs:.3e} > {max_abs_tol:.1e}"
 
 
-def triton_devices() -> list:
-    """Devices on which the Triton path can run in this process, as pytest parameters.
+def triton_devices() -> list[str]:
+    """Devices on which the Triton path can run in this process: ``"cpu"`` when Triton's interpreter is on
+    (``TRITON_INTERPRET=1``), ``"cuda"`` when a CUDA device is present.
 
-    ``"cpu"`` when Triton's interpreter is on (``TRITON_INTERPRET=1``), ``"cuda"`` (marked ``gpu``)
-    when a CUDA device is present.
+    Plain strings, so that they can be nested in other parameters; the repository's ``conftest.py``
+    marks every test that runs on ``"cuda"`` with ``gpu`` (``pytest -m gpu`` selects the CUDA tests).
     """
-    import pytest
-
-    devices: list = []
+    devices: list[str] = []
     if triton_available() and triton_interpreter_enabled():
         devices.append("cpu")
     if torch.cuda.is_available():
-        devices.append(pytest.param("cuda", marks=pytest.mark.gpu))
+        devices.append("cuda")
     return devices
 
 
@@ -93,10 +92,8 @@ def fast_paths() -> list:
     import pytest
 
     return [pytest.param("eager", "cpu", id="eager")] + [
-        pytest.param("triton", device, id=f"triton-{getattr(device, 'values', [device])[0]}",
-                     marks=getattr(device, "marks", ()))
-        for device in triton_devices()
-    ]  # fmt: skip
+        pytest.param("triton", device, id=f"triton-{device}") for device in triton_devices()
+    ]
 
 
 def fast_impls() -> list[str]:

@@ -1,9 +1,10 @@
-"""Test fixtures: every kernel output starts NaN-poisoned."""
+"""Test fixtures: every kernel output starts NaN-poisoned; bad values raise ``ValueError`` on every device."""
 
 from __future__ import annotations
 
 import pytest
 
+from icrl_kernels import set_value_checks
 from icrl_kernels.testing import poisoned_outputs
 
 
@@ -12,3 +13,16 @@ def _poison_kernel_outputs():
     """Kernel outputs start as NaN, so an element a kernel never writes fails its test."""
     with poisoned_outputs():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _synchronous_value_checks():
+    """Bad values (targets out of range, NaN, ...) raise ``ValueError`` on CUDA too. The default ("auto")
+    is an asynchronous device assert there, which ends the worker's CUDA context and fails every later
+    CUDA test in it; the tests of that mode (``test_no_host_sync.py``) choose it explicitly. On the CPU
+    "sync" and "auto" are the same."""
+    previous = set_value_checks("sync")
+    try:
+        yield
+    finally:
+        set_value_checks(previous)

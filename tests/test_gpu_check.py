@@ -85,3 +85,51 @@ def test_dry_run_env_stage_measures_the_ceilings(tmp_path):
     facts = json.loads((tmp_path / "env.json").read_text())
     assert facts["copy_bytes_per_second"] > 0 and facts["matmul_bfloat16_flops_per_second"] > 0
     assert facts["torch"] and "copy bandwidth" in (tmp_path / "env.md").read_text()
+
+
+# -- what the parity stage selects on a CUDA machine ------------------------------------------------
+def test_cuda_tests_get_plain_devices_and_the_gpu_marker(tmp_path):
+    """On a CUDA machine every Triton test gets the device as the plain string ``"cuda"`` (a nested
+    ``pytest.param`` once reached 139 tests as their device on an H200) and the ``gpu`` marker, which
+    ``-m gpu`` (the parity stage) selects. CUDA is faked for collection only: nothing runs."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.cuda.is_available = lambda: True\n")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    env.pop("TRITON_INTERPRET", None)
+    files = ["tests/test_smeared_keys.py", "tests/test_contrastive_kernels.py", "tests/test_ngram_robustness.py"]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    selected = [line for line in result.stdout.splitlines() if "::" in line]
+    assert {line.split("::")[0] for line in selected} == set(files), result.stdout[-3000:]
+    # ids name the device, or (test_ngram_robustness, whose device is not a parameter) the Triton backend
+    assert all("cuda" in line or "triton" in line for line in selected), selected
+    assert "ParameterSet" not in result.stdout
+
+
+def test_triton_devices_are_plain_strings(monkeypatch):
+    import torch
+
+    from icrl_kernels import testing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert testing.triton_devices()[-1] == "cuda"
+    assert all(isinstance(value, str) for param in testing.fast_paths() for value in param.values)
+
+
+def test_loss_trend_of_a_training_run(tmp_path):
+    rows = [{"step": step, "loss": 2.0 - step / 10, "steps_per_second": speed}
+            for step, speed in zip(range(1, 11), [1.0, 5, 6, 7, 8, 9, 10, 11, 12, 13])]  # fmt: skip
+    rows.insert(5, {"step": 5, "eval": {"final_return": 1.0}})  # evaluation rows are skipped
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    trend = gpu_check._loss_trend(path)
+    assert trend["rows"] == 10 and trend["steps_per_second"] == 9  # the median after the first (warm-up) row
+    assert trend["loss_first"] == pytest.approx(1.7) and trend["loss_last"] == pytest.approx(1.2)
+    assert trend["loss_falls"]

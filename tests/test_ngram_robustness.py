@@ -21,15 +21,19 @@ from icrl_kernels.testing import assert_close_rel, triton_devices
 
 TRITON_DEVICES = triton_devices()
 DEVICE = TRITON_DEVICES[0] if TRITON_DEVICES else None
+# The device is not a parameter here, so the Triton cases carry the ``gpu`` marker themselves on CUDA.
+_TRITON_MARKS = [pytest.mark.gpu] if DEVICE == "cuda" else []
 # (backend, algorithm, chunk): chunk None is the launcher's own chunking (one chunk at these lengths).
 PATHS = [pytest.param("eager", "auto", None, id="eager"), pytest.param("reference", "auto", None, id="reference")]
 TRITON_PATHS = []
 if TRITON_DEVICES:
-    TRITON_PATHS = [pytest.param("triton", "sort", None, id="triton-sort")]
+    TRITON_PATHS = [pytest.param("triton", "sort", None, id="triton-sort", marks=_TRITON_MARKS)]
     PATHS += TRITON_PATHS
 # Chunks of 5 positions, so that segments cross chunk boundaries (carry pass + look-back): ~10x more
 # interpreted programs, so one test only.
-CHUNKED_PATHS = PATHS + ([pytest.param("triton", "sort", 5, id="triton-sort-chunk5")] if TRITON_DEVICES else [])
+CHUNKED_PATHS = PATHS + (
+    [pytest.param("triton", "sort", 5, id="triton-sort-chunk5", marks=_TRITON_MARKS)] if TRITON_DEVICES else []
+)
 # Non-finite values stay in their segment on the sort paths only: the dense ones (the reference, the
 # tiled kernel) multiply 0/1 patterns with h, and 0 * inf = nan reaches the whole batch row (tile), as
 # documented in ngram_attention's docstring.
@@ -212,7 +216,9 @@ def _deadline(seconds: int):
 
 
 HUGE_N_PATHS = [("eager", "auto"), ("reference", "auto"), ("auto", "auto")] + (
-    [("triton", "sort"), ("triton", "tiled"), ("triton", "auto")] if TRITON_DEVICES else []
+    [pytest.param("triton", algorithm, marks=_TRITON_MARKS) for algorithm in ("sort", "tiled", "auto")]
+    if TRITON_DEVICES
+    else []
 )
 
 

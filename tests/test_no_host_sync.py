@@ -131,9 +131,12 @@ def _backward(out: torch.Tensor) -> None:
 def _op_cases(device: torch.device) -> dict[str, Callable[[str], torch.Tensor]]:
     """``name -> run(backend)``: forward (+ backward) of each public op on small valid inputs."""
     g = torch.Generator().manual_seed(0)
+    # Drawn on the device itself: a copy from pageable CPU memory is a synchronising CUDA operation, and
+    # the inputs of each run are drawn inside the checked region.
+    g_device = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, grad=True):
-        return torch.randn(*shape, generator=g).to(device).requires_grad_(grad)
+        return torch.randn(*shape, generator=g_device, device=device).requires_grad_(grad)
 
     ids = torch.randint(0, 3, (2, 40), generator=g).to(device)
     ids[1, -5:] = -1  # padding
@@ -196,28 +199,39 @@ def _module_cases(device: torch.device) -> dict[str, Callable[[], torch.Tensor]]
     x = torch.randn(2, 9, 32, device=device, requires_grad=True)
     ids = torch.randint(0, 3, (2, 9), device=device)
 
+    # The modules are built and moved here, outside the checked region (moving parameters to the GPU
+    # copies from pageable memory, which synchronises).
+    modules = {
+        "ngram": ik.NGramAttention(32, 2).to(device),
+        "moa": ik.MoAAttention(32, 4).to(device),
+        "smeared": ik.SmearedKeyAttention(32, 4).to(device),
+        "moa_fused": ik.MoAAttention(32, 4, attention="fused").to(device),
+        "smeared_fused": ik.SmearedKeyAttention(32, 4, attention="fused").to(device),
+        "looped": ik.LoopedBlock(32, 4, 16).to(device),
+    }
+    action_map = ik.ActionMap(6, 32)
+    action_map.regenerate(device=device)
+    targets = torch.randint(0, 6, (2, 9), device=device)
+
     def ngram():
-        return ik.NGramAttention(32, 2).to(device)(x, ids)
+        return modules["ngram"](x, ids)
 
     def moa():
-        return ik.MoAAttention(32, 4).to(device)(x)
+        return modules["moa"](x)
 
     def smeared():
-        return ik.SmearedKeyAttention(32, 4).to(device)(x)
+        return modules["smeared"](x)
 
     def moa_fused():
-        return ik.MoAAttention(32, 4, attention="fused").to(device)(x)
+        return modules["moa_fused"](x)
 
     def smeared_fused():
-        return ik.SmearedKeyAttention(32, 4, attention="fused").to(device)(x)
+        return modules["smeared_fused"](x)
 
     def looped():
-        return ik.LoopedBlock(32, 4, 16).to(device)(x, loops=3, grad_loops=2)
+        return modules["looped"](x, loops=3, grad_loops=2)
 
-    def action_map():
-        action_map = ik.ActionMap(6, 32)
-        action_map.regenerate(device=device)
-        targets = torch.randint(0, 6, (2, 9), device=device)
+    def action_map_case():
         loss = action_map.loss(x, targets)
         action_map.embed(targets)
         action_map.select(x.detach(), mode="sample")
@@ -225,7 +239,7 @@ def _module_cases(device: torch.device) -> dict[str, Callable[[], torch.Tensor]]
 
     return {"NGramAttention": ngram, "MoAAttention": moa, "SmearedKeyAttention": smeared,
         "MoAAttention-fused": moa_fused, "SmearedKeyAttention-fused": smeared_fused, "LoopedBlock": looped,
-            "ActionMap": action_map}  # fmt: skip
+            "ActionMap": action_map_case}  # fmt: skip
 
 
 def _cpu_backends() -> list[str]:
@@ -267,13 +281,17 @@ def test_cuda_sync_debug_mode(case):
     device = torch.device("cuda")
     ops, modules = _op_cases(device), _module_cases(device)
     run = (lambda: ops[case]("auto")) if case in ops else (lambda: _backward(modules[case]()))
-    run()  # warm-up: compiles and autotunes (which synchronise) outside the checked region
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    previous = ik.set_value_checks("auto")  # the default, which never reads a device value on the host
     try:
-        run()
+        run()  # warm-up: compiles and autotunes (which synchronise) outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        ik.set_value_checks(previous)
 
 
 # -- the value-check modes ---------------------------------------------------------------------------

@@ -160,6 +160,8 @@ def _hashed_gumbel(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(shape, *, generator=None, device=None) -> torch.Tensor:
-    """Standard Gumbel samples ``-log(-log(u))``, ``u ~ U(0, 1)`` kept away from 0 and 1."""
-    uniform = torch.rand(shape, generator=generator, device=device).clamp_(1e-20, 1.0 - 1e-7)
+    """Standard Gumbel samples ``-log(-log(u))``, ``u ~ U(0, 1)`` kept away from 0 and 1, on ``device``;
+    drawn on the generator's device (a CPU generator serves a CUDA ``device`` too)."""
+    draw_device = generator.device if generator is not None else device
+    uniform = torch.rand(shape, generator=generator, device=draw_device).to(device).clamp_(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(uniform))

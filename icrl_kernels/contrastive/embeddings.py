@@ -37,7 +37,8 @@ def orthonormal_embeddings(
         dim: embedding width ``D >= 1``.
         batch: ``None`` for one map ``[A, D]``; an int for ``batch`` independent maps ``[batch, A, D]``
             drawn in one call (one per sequence).
-        generator: makes the draw reproducible; it must live on ``device``.
+        generator: makes the draw reproducible. The Gaussian is drawn on the generator's device and moved to
+            ``device``, so a CPU generator gives the same maps on every device.
         device, dtype: of the result (default: the generator's device or CPU, float32). The QR runs in
             float32 (float64 if asked for) and the result is cast.
         strict: raise ``ValueError`` instead of warning when ``num_actions > dim``.
@@ -61,8 +62,6 @@ def orthonormal_embeddings(
         device = torch.device(device)
     except RuntimeError as error:  # an unknown device string: torch's message lists the valid types
         raise ValueError(f"device must name a device, got {device!r}: {error}") from None
-    if generator is not None and generator.device.type != device.type:
-        raise ValueError(f"generator is on {generator.device} but device is {device}; use a generator on {device}")
     if num_actions > dim:
         message = (
             f"num_actions ({num_actions}) > dim ({dim}): action embeddings cannot be orthonormal; the columns "
@@ -74,7 +73,8 @@ def orthonormal_embeddings(
     work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     tall, wide = max(num_actions, dim), min(num_actions, dim)
     shape = (tall, wide) if batch is None else (batch, tall, wide)
-    gaussian = torch.randn(shape, generator=generator, device=device, dtype=work_dtype)
+    draw_device = generator.device if generator is not None else device
+    gaussian = torch.randn(shape, generator=generator, device=draw_device, dtype=work_dtype).to(device)
     q, r = torch.linalg.qr(gaussian)
     # Fold sign(diag R) into Q so the distribution is Haar (QR alone is biased by its sign convention).
     signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))

@@ -103,8 +103,11 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
 ALGORITHMS = ("auto", "sort", "tiled")
 
 #: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
-#: is the tiled kernel, beyond it the sort path. ESTIMATES for an H100, not measurements (no GPU run
-#: yet): ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over
+#: is the tiled kernel, beyond it the sort path. ESTIMATES for an H100, not measurements: the one GPU
+#: run so far (H200) measured only L = 4096, where the sort path was 4.6-5x faster than the tiled
+#: kernel (1.7-1.8 ms against 8.3-8.4 ms, fp32, B = 16, D = 512): the order predicted below, but the
+#: sort path took several times the estimate below (not yet profiled);
+#: ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over
 #: ``L`` in fp32 and bf16 (``test_ngram_tiled_crossover``); set these from where they cross.
 #:
 #: The arithmetic (B = 8, D = 512, n = 2, fwd + bwd; H100 SXM at ~1.75 GHz: 132 SMs x 64 int32 lanes

@@ -227,15 +227,19 @@ def _ngram_forward_kernel(
     # segment start: its open segment reaches this chunk. Chunk 0 starts a segment at k = 0.
     carry = tl.zeros([BLOCK_D], dtype=tl.float32)
     segment_start = tl.zeros([], dtype=tl.int32)
-    previous = chunk - 1
-    searching = previous >= 0
-    while searching:
-        slot = row * NUM_CHUNKS + previous
-        carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
-        boundary = tl.load(boundary_ptr + slot)
-        segment_start = tl.maximum(boundary, 0)
-        previous -= 1
-        searching = (boundary < 0) & (previous >= 0)
+    # Rows of one chunk have nothing to look back over. The branch also keeps the loop out of the
+    # NUM_CHUNKS == 1 specialisation (Triton makes an int argument equal to 1 a constant), whose
+    # never-entered loop crashed Triton 3.6's TritonGPUCoalesce pass on sm_90.
+    if NUM_CHUNKS > 1:
+        previous = chunk - 1
+        searching = previous >= 0
+        while searching:
+            slot = row * NUM_CHUNKS + previous
+            carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
+            boundary = tl.load(boundary_ptr + slot)
+            segment_start = tl.maximum(boundary, 0)
+            previous -= 1
+            searching = (boundary < 0) & (previous >= 0)
 
     # Prefetch: plan entries of the first tile (later tiles' are loaded one tile ahead, below).
     k = lo + tl.arange(0, BLOCK_L)
@@ -362,14 +366,15 @@ def _ngram_backward_kernel(
 
     # Look back (towards the end) over the later chunks' partials until one holds a segment end.
     carry = tl.zeros([BLOCK_D], dtype=tl.float32)
-    later = chunk + 1
-    searching = later < NUM_CHUNKS
-    while searching:
-        slot = row * NUM_CHUNKS + later
-        carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
-        boundary = tl.load(boundary_ptr + slot)
-        later += 1
-        searching = (boundary < 0) & (later < NUM_CHUNKS)
+    if NUM_CHUNKS > 1:  # as in the forward: no loop in the NUM_CHUNKS == 1 specialisation
+        later = chunk + 1
+        searching = later < NUM_CHUNKS
+        while searching:
+            slot = row * NUM_CHUNKS + later
+            carry += tl.load(partial_ptr + slot * D + cols, mask=col_ok, other=0.0)
+            boundary = tl.load(boundary_ptr + slot)
+            later += 1
+            searching = (boundary < 0) & (later < NUM_CHUNKS)
 
     # Walk the chunk from its end; prefetch the first tile's plan entries.
     k = hi - 1 - tl.arange(0, BLOCK_L)
