@@ -278,6 +278,7 @@ def test_compare_command_end_to_end(tmp_path, capsys):
 
     argv = ["--runs", "2", "--steps", "2", "--num-histories", "6", "--source-episodes", "20", "--eval-episodes", "2"]
     argv += ["--eval-envs-per-task", "1", "--backend", "eager", "--out-dir", str(tmp_path), "--no-progress"]
+    argv += ["--scheduler", "local"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "compare.json").read_text())
     assert len(result["scores"]["ad"]) == len(result["scores"]["ngram_ad"]) == 2

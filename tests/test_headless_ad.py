@@ -266,8 +266,10 @@ def test_ablations_command_end_to_end(tmp_path, capsys):
 
     original = experiments._BANDIT_BASE.copy()
     experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
+    # --scheduler local: this process, since the test patches the module's presets.
     argv = ["--ablations", "preset", "no action-set prompt", "--select-temperatures", "1", "0.5", "--eval-seeds",
-            "1", "2", "--steps", "2", "--eval-tasks", "3", "--out-dir", str(out), "--no-progress"]  # fmt: skip
+            "1", "2", "--steps", "2", "--eval-tasks", "3", "--out-dir", str(out), "--no-progress",
+            "--scheduler", "local"]  # fmt: skip
     try:
         assert headless_main(argv) == 0
     finally:

@@ -18,9 +18,11 @@ from icrl_models.experiments.ngram_ad import (
     expected_max_performance,
 )
 
-# A tiny model and evaluation: every trial trains a few steps and rolls out 2 episodes on 2 held-out tasks.
+# A tiny model and evaluation: every trial trains a few steps and rolls out 2 episodes on 2 held-out tasks,
+# one trial after another in this process (Ray Tune sweeps have their own test, test_sweep.py).
 TINY = dict(runs=2, steps=2, batch_size=4, d_model=16, num_heads=2, num_layers=1, source_episodes=20,
-            eval_tasks=2, eval_episodes=2, eval_envs_per_task=1, backend="eager", progress=False)  # fmt: skip
+            eval_tasks=2, eval_episodes=2, eval_envs_per_task=1, backend="eager", progress=False,
+            scheduler="local")  # fmt: skip
 
 
 def test_goals_preset_builds_every_setting_seed_assignment_and_model():

@@ -11,7 +11,8 @@
 Each module holds only its paper's protocol: its config (one ``--flag`` per field), its training and
 evaluation, its tables and figure. What they share lives in :mod:`~icrl_models.experiments.harness`:
 presets, statistics over seeds, the cached training dataset, and result files that start with the
-command line and the machine that produced them. A new experiment is a new module here with a
+command line and the machine that produced them; :mod:`~icrl_models.experiments.sweep` runs a list of
+training runs one at a time or as Ray Tune trials. A new experiment is a new module here with a
 ``main(argv)`` decorated by :func:`icrl_models._cli.command_line`, plus its line in ``pyproject.toml``'s
 ``[project.scripts]``.
 """

@@ -28,6 +28,7 @@ evaluation set).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -49,6 +50,7 @@ from .harness import (
     seed_stats,
     write_results,
 )
+from .sweep import SweepOptions, run_trials, sweep_options
 
 EXPERIMENTS = ("bernoulli", "contextual", "darkroom")
 PRESETS = ("cpu", "paper")
@@ -149,8 +151,9 @@ def preset_configs(experiment: str, preset: str, out_dir: Path, data: str, seed:
 
 
 @dataclass
-class HeadlessExperimentConfig:
-    """One experiment of the Headless-AD paper; see the module docstring."""
+class HeadlessExperimentConfig(SweepOptions):
+    """One experiment of the Headless-AD paper; see the module docstring. ``--ablations`` trains its variants
+    as the trials of :mod:`~icrl_models.experiments.sweep` (on Ray Tune when installed)."""
 
     experiment: str = dataclasses.field(default="bernoulli", metadata={"help": f"one of {EXPERIMENTS}"})
     preset: str = dataclasses.field(default="cpu", metadata={"help": f"one of {PRESETS}"})
@@ -177,6 +180,7 @@ class HeadlessExperimentConfig:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")
         check_preset(self.preset, PRESETS)
@@ -246,38 +250,48 @@ def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = No
 def run_ablations(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
     """Train every variant of ``config.ablations`` on the same histories; score each on uniform bandits with
     :data:`ABLATION_ARMS` arms, at every sampling temperature of ``config.select_temperatures`` (fractions of
-    its tau), over ``config.eval_seeds``; write ``headless-ablations.json`` / ``.md``; return the results."""
+    its tau), over ``config.eval_seeds``; write ``headless-ablations.json`` / ``.md``; return the results.
+    Each variant is one trial (:func:`~icrl_models.experiments.sweep.run_trials`: on Ray Tune when installed)."""
     out_dir = run_folder(config.out_dir)
     preset = _train_configs(dataclasses.replace(config, baseline=False), out_dir)["headless_ad"]
-    device = resolve_device(config.device, 0)
-    results: dict = {"config": dataclasses.asdict(config), "arms": list(ABLATION_ARMS), "ablations": {}}
-    machine = machine_description(device)
-    for index, name in enumerate(config.ablations):
+    machine = machine_description(resolve_device(config.device, 0))
+    names = list(config.ablations)
+    train_configs = []
+    for name in names:
         slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
-        train_config = dataclasses.replace(preset, **ABLATIONS[name], out_dir=str(out_dir / "ablations" / slug))
-        start = time.perf_counter()
-        train(train_config)
-        # Scores are kept beside the run, keyed by what was evaluated: a rerun (or a resumed sweep) reuses them.
-        key = {"temperatures": list(config.select_temperatures), "arms": list(ABLATION_ARMS),
-               "eval_seeds": list(config.eval_seeds), "eval_tasks": config.eval_tasks}  # fmt: skip
-        cache = Path(train_config.out_dir) / "ablation-scores.json"
-        cached = json.loads(cache.read_text()) if cache.exists() else {}
-        if cached.get("key") == key:
-            rows = cached["scores"]
-        else:
-            rows = _score_ablation(train_config, config, device)
-            cache.write_text(json.dumps({"key": key, "scores": rows}, indent=1))
-        results["ablations"][name] = {
-            "overrides": ABLATIONS[name],
-            "scores": rows,
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        results["complete"] = index + 1 == len(config.ablations)
-        # Written after every ablation, so a killed sweep keeps the finished rows.
+        train_configs.append(dataclasses.replace(preset, **ABLATIONS[name], out_dir=str(out_dir / "ablations" / slug)))
+    results: dict = {"config": dataclasses.asdict(config), "arms": list(ABLATION_ARMS), "ablations": {}}
+
+    def record(index: int, outcome: dict) -> None:
+        # Written after every ablation, so a killed sweep keeps the finished rows; in the ablations' order.
+        finished = {**results["ablations"], names[index]: {"overrides": ABLATIONS[names[index]], **outcome}}
+        results["ablations"] = {name: finished[name] for name in names if name in finished}
+        results["complete"] = len(results["ablations"]) == len(names)
         write_results(
             out_dir, "headless-ablations", results, ablations_table(results), command=command, machine=machine
         )
+
+    trial = functools.partial(_ablation_trial, config=config)
+    run_trials(train_configs, trial, sweep_options(config), name="headless-ablations", storage=out_dir / "ray",
+               on_outcome=record)  # fmt: skip
     return results
+
+
+def _ablation_trial(train_config: TrainConfig, *, config: HeadlessExperimentConfig) -> dict:
+    """Train one variant (or find it trained) and score it: ``{"scores", "seconds"}``. Scores are kept beside
+    the run, keyed by what was evaluated, so a rerun (or a resumed sweep) reuses them."""
+    start = time.perf_counter()
+    train(train_config)
+    key = {"temperatures": list(config.select_temperatures), "arms": list(ABLATION_ARMS),
+           "eval_seeds": list(config.eval_seeds), "eval_tasks": config.eval_tasks}  # fmt: skip
+    cache = Path(train_config.out_dir) / "ablation-scores.json"
+    cached = json.loads(cache.read_text()) if cache.exists() else {}
+    if cached.get("key") == key:
+        rows = cached["scores"]
+    else:
+        rows = _score_ablation(train_config, config, resolve_device(config.device, 0))
+        cache.write_text(json.dumps({"key": key, "scores": rows}, indent=1))
+    return {"scores": rows, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def _score_ablation(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:

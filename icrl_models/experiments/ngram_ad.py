@@ -65,6 +65,7 @@ from .harness import (
     seed_stats,
     write_results,
 )
+from .sweep import SweepOptions, run_trials, sweep_options
 
 MODELS = {"ad": "AD", "ngram_ad": "N-Gram AD"}
 ENV_TITLES = {"dark_room": "Dark Room", "key_to_door": "Key-to-Door"}
@@ -162,9 +163,10 @@ def _field(name: str, text: str, **metadata):
 
 
 @dataclass
-class CompareConfig:
+class CompareConfig(SweepOptions):
     """The sweep; ``None`` fields take the preset's value (without a preset: :data:`DEFAULTS`). Model knobs
-    not listed here come from :class:`TrainConfig`'s defaults or from the Table 1 draw."""
+    not listed here come from :class:`TrainConfig`'s defaults or from the Table 1 draw. How the trials run
+    (one at a time, or on Ray Tune) are the fields of :class:`~icrl_models.experiments.sweep.SweepOptions`."""
 
     preset: str | None = dataclasses.field(
         default=None, metadata={"help": f"one of {tuple(PRESETS)} (default: none, one setting and one seed)"}
@@ -194,6 +196,7 @@ class CompareConfig:
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.preset is not None:
             fill_from_preset(self, PRESETS)
         for name, value in DEFAULTS.items():
@@ -359,12 +362,14 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     out = run_folder(config.out_dir)
     trials = build_trials(config)
     prepare_data(trials, progress=config.progress)
-    outcomes = []
-    for trial in trials:
-        outcome = run_trial(trial.config)
+
+    def report(index: int, outcome: dict) -> None:
         score = "n/a" if outcome["score"] is None else f"{outcome['score']:.3f}"
-        print(f"{trial.config.out_dir} ({outcome['status']}): {score} of the source's final return", file=sys.stderr)
-        outcomes.append(outcome)
+        print(f"{trials[index].config.out_dir} ({outcome['status']}): {score} of the source's final return",
+              file=sys.stderr)  # fmt: skip
+
+    outcomes = run_trials([trial.config for trial in trials], run_trial, sweep_options(config),
+                          name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
     result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
     draws = draw_assignments(config.seeds, config.runs)
     result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
