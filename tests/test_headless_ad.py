@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from icrl_models.data.windows import local_action_indices
+from icrl_models.data.windows import local_action_batch, local_action_indices
 from icrl_models.envs import BernoulliBandit, CompositeDarkRoom, composite_action_sets
 from icrl_models.evaluate import rollout_in_context
 from icrl_models.experiments.headless_ad import ABLATION_ARMS, ABLATIONS, HeadlessExperimentConfig, run_experiment
@@ -102,6 +102,18 @@ def test_local_action_indices():
     assert local_action_indices(actions, action_set).tolist() == [[2, 0, -1], [3, 0, 1]]
     with pytest.raises(ValueError, match="not in"):
         local_action_indices(torch.tensor([[4], [0]]), action_set)
+
+
+def test_local_action_batch_ignores_window_padding():
+    """Padding positions of a window hold action 0, which a composite Darkroom set need not contain (this
+    stopped `icrl-headless --experiment darkroom` at its first batch): they become NO_ACTION."""
+    batch = {"actions": torch.tensor([[9, 7, 0]]), "prev_actions": torch.tensor([[-1, 9, -1]]),
+             "mask": torch.tensor([[True, True, False]]), "action_set": torch.tensor([[7, 3, 9, -1]])}  # fmt: skip
+    local = local_action_batch(batch)
+    assert local["local_actions"].tolist() == [[2, 0, -1]] and local["local_prev_actions"].tolist() == [[-1, 2, -1]]
+    assert local["available"].tolist() == [[True, True, True, False]]
+    with pytest.raises(ValueError, match="not in"):  # a real action outside the set is still an error
+        local_action_batch({**batch, "actions": torch.tensor([[9, 4, 0]])})
 
 
 def test_learns_through_random_maps_from_context():

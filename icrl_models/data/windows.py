@@ -187,14 +187,17 @@ def local_action_indices(actions: torch.Tensor, action_set: torch.Tensor) -> tor
 
 
 def local_action_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Add ``local_actions``, ``local_prev_actions`` (positions in the window's action set) and
-    ``available`` (``[B, A]`` bool, False on the set's padding) to a :meth:`HistoryWindows.get_batch`
-    batch. Models with variable action sets (Headless-AD, and AD's head over set positions) train on them.
+    """Add ``local_actions``, ``local_prev_actions`` (positions in the window's action set, :data:`NO_ACTION`
+    on the window's padding) and ``available`` (``[B, A]`` bool, False on the set's padding) to a
+    :meth:`HistoryWindows.get_batch` batch. Models with variable action sets (Headless-AD, and AD's head
+    over set positions) train on them.
     """
     action_set = batch["action_set"]
+    # Padding positions hold action 0, which need not be in the set (composite Darkroom's sets): no action.
+    actions = batch["actions"].masked_fill(~batch["mask"], NO_ACTION)
     return {
         **batch,
-        "local_actions": local_action_indices(batch["actions"], action_set),
+        "local_actions": local_action_indices(actions, action_set),
         "local_prev_actions": local_action_indices(batch["prev_actions"], action_set),
         "available": action_set >= 0,
     }
