@@ -384,7 +384,7 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     write_results(out, stem, result, None if config.preset is None else tables + "\n\n" + trial_table(result),
                   command=command)  # fmt: skip
     plot_emp(config, result, out / f"{stem}.png")
-    print(tables)
+    print(tables + "\n\n" + trial_table(result))  # every trial's config, score and status (trained / reused)
     return result
 
 
