@@ -26,3 +26,15 @@ def _synchronous_value_checks():
         yield
     finally:
         set_value_checks(previous)
+
+
+@pytest.fixture(autouse=True)
+def _experiment_trials_in_this_process(request, monkeypatch):
+    """Experiment commands run their trials on Ray Tune by default when it is installed; the tests run them
+    in this process (a Ray instance per test worker costs seconds and memory), except ``test_sweep.py``,
+    which tests the Ray path itself."""
+    if request.module.__name__.rsplit(".", 1)[-1] == "test_sweep":
+        return
+    from icrl_models.experiments import sweep
+
+    monkeypatch.setattr(sweep, "ray_tune_available", lambda: False)

@@ -455,7 +455,7 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
             "--analysis-windows", "8", "--eval-envs", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
             "--markov-heads", "0", "--context-lens", "3", "4", "--key-to-door-episode-length", "10",
             "--seeds", "0,1", "--tasks", "dark_room_visible,key_to_door", "--backend", "eager", "--no-progress",
-            "--out-dir", str(out)]  # fmt: skip
+            "--scheduler", "local", "--out-dir", str(out)]  # fmt: skip
     assert main(argv) == 0
     for name in ("markov.json", "markov.md", "markov.png"):
         assert (out / name).stat().st_size > 0

@@ -150,7 +150,7 @@ def test_nan_tolerant_stats_leave_nan_out_and_count_it():
 TINY = ["--seeds", "0", "--steps", "4", "--eval-every", "2", "--num-histories", "4", "--episodes-per-history", "3",
         "--analysis-windows", "8", "--eval-envs", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
         "--markov-heads", "0", "--corridor-lengths", "2", "3", "--memory-k", "5", "--k-sweep-corridor", "2",
-        "--context-lens", "2", "5", "--backend", "eager", "--no-progress"]  # fmt: skip
+        "--context-lens", "2", "5", "--backend", "eager", "--no-progress", "--scheduler", "local"]  # fmt: skip
 
 
 def test_memory_preset_tiny_end_to_end(tmp_path, monkeypatch):
@@ -166,7 +166,8 @@ def test_memory_preset_tiny_end_to_end(tmp_path, monkeypatch):
     out = tmp_path / "memory"
     assert mh.main(["--preset", "memory", *TINY, "--out-dir", str(out)]) == 0
     assert sorted(path.name for path in out.iterdir()) == ["markov-memory.json", "markov-memory.md",
-                                                           "markov-memory.png"]  # fmt: skip
+                                                           "markov-memory.png", "runs"]  # fmt: skip
+    assert len(list((out / "runs").glob("*.json"))) == 6  # one stored result per run
     report = json.loads((out / "markov-memory.json").read_text())
     runs = [(task, c, k) for c, k in ((2, 5), (3, 5), (2, 2)) for task in ("cue_visible", "cue_hidden")]
     assert [(r["task"], r["corridor_length"], r["k"]) for r in report["results"]] == runs
@@ -187,6 +188,14 @@ def test_memory_preset_tiny_end_to_end(tmp_path, monkeypatch):
     assert table.count("| cue_hidden | 2 | 2 | 5 |") == 2  # on both axes
     assert "NaN (n=0, 1 NaN)" in table and "came out NaN" in table
     assert "## Returns and G_Markov" not in table  # no grid-world task ran
+
+    # A rerun (a resumed sweep) trains nothing: every run's stored result is reused, with the same report.
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(mh, "run_task", no_training)
+    assert mh.main(["--preset", "memory", *TINY, "--out-dir", str(out)]) == 0
+    assert json.loads((out / "markov-memory.json").read_text())["results"] == report["results"]
 
 
 def test_raw_results_are_written_before_the_summary(tmp_path, monkeypatch):

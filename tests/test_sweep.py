@@ -34,6 +34,8 @@ def _comparable(result: dict) -> dict:
 def local_ray():
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.tune")
+    if ray.is_initialized():  # started by an earlier test of this worker: restart with this test's limits
+        ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -80,7 +80,9 @@ Presets: ``cpu`` (default; a tiny model, about 10 minutes on one CPU thread), ``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -111,6 +113,7 @@ from .harness import (
     warmup_then_constant,
     write_results,
 )
+from .sweep import SweepOptions, run_trials, sweep_options
 
 PRESETS = ("cpu", "paper", "memory", "paper-memory")
 #: task name -> (horizon, what the observation lacks)
@@ -191,8 +194,9 @@ def _preset_help(name: str, text: str = "") -> str:
 
 
 @dataclass
-class MarkovConfig:
-    """The experiment; ``None`` fields take the preset's value (:data:`PRESET_VALUES`)."""
+class MarkovConfig(SweepOptions):
+    """The experiment; ``None`` fields take the preset's value (:data:`PRESET_VALUES`). Its runs are the
+    trials of :mod:`~icrl_models.experiments.sweep` (on Ray Tune when installed)."""
 
     preset: str = dataclasses.field(default="cpu", metadata={"help": " or ".join(PRESETS)})
     # List fields take several values (--seeds 0 1 2); a comma-separated 0,1,2 (older command lines,
@@ -299,6 +303,7 @@ class MarkovConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         fill_from_preset(self, PRESET_VALUES)
         # The command line gives tuples, markov.json lists, older callers comma strings: normalise to tuples.
         self.tasks = as_tuple(self.tasks, str, "tasks") or PRESET_VALUES[self.preset]["tasks"]
@@ -679,6 +684,65 @@ def run_experiment(config: MarkovConfig, *, command: str | None = None) -> dict:
         return _run_experiment(config, command)
 
 
+@dataclass
+class MarkovTrial:
+    """One run of the experiment: ``task`` (a Cue Corridor of ``corridor_length``, or a grid world with
+    None) at context length ``k``, for one seed. ``threads``: torch threads of a Ray trial (0: the
+    process's, set by :func:`run_experiment`)."""
+
+    config: MarkovConfig
+    seed: int
+    task: str
+    corridor_length: int | None
+    k: int
+    threads: int = 0
+
+    def result_path(self) -> Path:
+        corridor = "" if self.corridor_length is None else f"-c{self.corridor_length}"
+        return Path(self.config.out_dir) / "runs" / f"seed{self.seed}-{self.task}{corridor}-k{self.k}.json"
+
+    def key(self) -> dict:
+        """What the run's result depends on: the config without where and how it runs, and the run."""
+        where = {"out_dir", "progress", "device", "num_threads", *(f.name for f in dataclasses.fields(SweepOptions))}
+        settings = {name: value for name, value in dataclasses.asdict(self.config).items() if name not in where}
+        run = {"seed": self.seed, "task": self.task, "corridor_length": self.corridor_length, "k": self.k}
+        return json.loads(json.dumps({**settings, **run}))  # tuples as lists, as read back from the file
+
+
+#: The last backbone built (config, seed) -> (model config, weights): the runs of one seed share it.
+_BACKBONE_CACHE: dict[str, tuple[DTMoAConfig, dict]] = {}
+
+
+def _shared_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict]:
+    key = json.dumps([dataclasses.asdict(config), seed], sort_keys=True, default=str)
+    if key not in _BACKBONE_CACHE:
+        _BACKBONE_CACHE.clear()
+        _BACKBONE_CACHE[key] = build_backbone(config, seed)
+    return _BACKBONE_CACHE[key]
+
+
+def run_markov_trial(trial: MarkovTrial) -> dict:
+    """Train and analyse one run (:func:`run_task`): ``{"result", "model_config"}``. The outcome is kept in
+    ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it."""
+    path, key = trial.result_path(), trial.key()
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return stored["outcome"]
+    threads = torch_threads(trial.threads) if trial.threads else contextlib.nullcontext()
+    with threads:
+        model_config, backbone = _shared_backbone(trial.config, trial.seed)
+        task = make_task(trial.task, trial.config, trial.corridor_length)
+        result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
+                          resolve_device(trial.config.device))  # fmt: skip
+    outcome = {"result": result, "model_config": dt_config_dict(model_config)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps({"key": key, "outcome": outcome}))
+    partial.replace(path)  # atomic: a killed run leaves no half-written result
+    return outcome
+
+
 def output_stem(config: MarkovConfig) -> str:
     """``markov-memory`` when every task is a cue task (``--preset memory``), else ``markov``."""
     return "markov-memory" if all(task in CUE_TASKS for task in config.tasks) else "markov"
@@ -689,22 +753,26 @@ def _run_experiment(config: MarkovConfig, command: str | None) -> dict:
     out_dir = run_folder(config.out_dir)
     device = resolve_device(config.device)
     stem, machine = output_stem(config), machine_description(device)
-    results: list[dict] = []
     report: dict = {"config": dataclasses.asdict(config), "model_config": None, "device": str(device),
-                    "torch_threads": torch.get_num_threads(), "complete": False, "results": results}  # fmt: skip
+                    "torch_threads": torch.get_num_threads(), "complete": False, "results": []}  # fmt: skip
 
     def times() -> dict:
         # On a CPU shared with other jobs the wall time overstates the cost; this is this process's CPU time.
         return {"wall_seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
 
-    for seed in config.seed_list():
-        model_config, backbone = build_backbone(config, seed)  # one backbone per seed, shared by the tasks
-        report["model_config"] = dt_config_dict(model_config)
-        for task_name, corridor_length, k in config.runs():
-            task = make_task(task_name, config, corridor_length)
-            results.append(run_task(task, k, seed, config, model_config, backbone, device))
-            # The raw results so far, before any summary: a later crash (or a NaN) loses no finished run.
-            write_results(out_dir, stem, {**report, **times()}, None, command=command, machine=machine)
+    trials = [MarkovTrial(config, seed, task_name, corridor_length, k)
+              for seed in config.seed_list() for task_name, corridor_length, k in config.runs()]  # fmt: skip
+    finished: list[dict | None] = [None] * len(trials)
+
+    def record(index: int, outcome: dict) -> None:
+        finished[index] = outcome["result"]
+        report["model_config"] = outcome["model_config"]
+        report["results"] = [result for result in finished if result is not None]  # in run order
+        # The raw results so far, before any summary: a later crash (or a NaN) loses no finished run.
+        write_results(out_dir, stem, {**report, **times()}, None, command=command, machine=machine)
+
+    run_trials(trials, run_markov_trial, sweep_options(config), name=stem, storage=out_dir / "ray", on_outcome=record)
+    results = report["results"]
     report.update(summary=summarize(results), memory_pairs=memory_pairs(results), complete=True, **times())
     files = [f"{stem}.json", f"{stem}.md"]
     files += ["markov.png"] if any(r["corridor_length"] is None for r in results) else []

@@ -24,9 +24,10 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
-750 / 1000 histories, episodes of 40 steps, 3 seeds) are sized for a 2-core CPU (few short runs per
-setting, a small evaluation); ``goals-paper`` and ``key-to-door-paper`` use the paper's 10K gradient
-steps per run and its 500 (Dark Room) / 400 (Key-to-Door) assignments. The paper does not state its
+750 / 1000 histories, episodes of 40 steps, 3 seeds) are sized for a 2-core CPU (4 runs of 2500
+steps per setting and seed, where N-Gram AD's score had flattened, and a small evaluation: ~6-15
+CPU-hours in all); ``goals-paper`` and ``key-to-door-paper`` use the paper's 10K gradient steps per run
+and its 500 (Dark Room) / 400 (Key-to-Door) assignments. The paper does not state its
 model width or depth; those presets keep this project's model (width 64, 4 heads, 2 attention blocks).
 
 Outputs in ``out_dir``: ``<stem>.json`` (the command line, the machine, every trial, EMP per seed and
@@ -70,11 +71,15 @@ from .sweep import SweepOptions, run_trials, sweep_options
 MODELS = {"ad": "AD", "ngram_ad": "N-Gram AD"}
 ENV_TITLES = {"dark_room": "Dark Room", "key_to_door": "Key-to-Door"}
 
-# Shared by the CPU presets: a few short runs per setting and a small evaluation (20 held-out tasks, one
-# rollout each, 20 in-context episodes). Estimate, not a measurement: a whole preset is 3 settings x 3 seeds
-# x 4 assignments x 2 models = 72 trials x 300 steps x ~0.2 s a step (benchmarks/results/cpu-ad.json: 146 to
-# 235 ms at 200-step windows, batch 32) ~ 72 minutes of training, plus data and evaluation.
-_CPU = dict(runs=4, steps=300, seeds=(0, 1, 2), source_episodes=200, eval_tasks=20, eval_episodes=20,
+# Shared by the CPU presets: a few runs per setting and a small evaluation (20 held-out tasks, one rollout
+# each, 20 in-context episodes). Steps, measured (Dark Room, 20 goals, 1000 histories, seed 0, the default
+# hyperparameters, 2-core VM, 1 thread): the fraction of Q-learning's return after 500 / 1000 / 1500 / 2000 /
+# 2500 / 3000 steps was 0.05 / 0.25 / 0.31 / 0.30 / 0.37 / 0.37 for N-Gram AD (flat from ~2500) and 0.11 /
+# 0.17 / 0.10 / 0.16 / 0.19 / 0.23 for AD (still rising); after 300 steps both were at the random policy's
+# level (0.01-0.02). Training ran at 3 to 11 steps a second there (the drawn context length matters), so a
+# 2500-step run takes ~4-14 minutes and the whole preset (3 settings x 3 seeds x 4 assignments x 2 models =
+# 72 runs) ~6-15 CPU-hours (an estimate from those rates): an overnight job, or Ray Tune trials.
+_CPU = dict(runs=4, steps=2500, seeds=(0, 1, 2), source_episodes=200, eval_tasks=20, eval_episodes=20,
             eval_envs_per_task=1, d_model=64, num_heads=4, num_layers=2, batch_size=32)  # fmt: skip
 # The paper: 10K gradient steps per run; every held-out goal of Dark Room; Key-to-Door evaluates on 100
 # of its 6461 held-out tasks (our choice: the paper does not say).

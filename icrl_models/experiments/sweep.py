@@ -65,8 +65,10 @@ class SweepOptions:
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
 
-    def uses_ray(self) -> bool:
-        return self.scheduler == "ray" or (self.scheduler == "auto" and ray_tune_available())
+    def uses_ray(self, trials: int = 2) -> bool:
+        """Whether ``trials`` trials run on Ray: always with ``"ray"``; with ``"auto"`` when Ray Tune is
+        installed and there are at least two (one trial gains nothing from Ray's start-up)."""
+        return self.scheduler == "ray" or (self.scheduler == "auto" and trials > 1 and ray_tune_available())
 
 
 def sweep_options(config: Any) -> SweepOptions:
@@ -96,7 +98,7 @@ def run_trials(
     Returns:
         the outcomes, in the order of ``configs``.
     """
-    if not options.uses_ray():
+    if not options.uses_ray(len(configs)):
         if len(configs) > 1 and options.scheduler == "auto":
             print(f"icrl: {len(configs)} trials {SWEEP_HINT}", file=sys.stderr)
         outcomes = []
