@@ -317,6 +317,24 @@ def test_experiment_smoke(tmp_path):
     assert math.isfinite(result["final"]["icl_score"])
 
 
+def test_rerun_reuses_each_variants_result(tmp_path, monkeypatch):
+    """Each variant's result is kept in ``runs/``: a rerun (or a resumed sweep) trains nothing, and a
+    changed setting trains again."""
+    import icrl_models.experiments.induction_heads as induction
+
+    first = run_experiment(_tiny_experiment(tmp_path))
+    assert sorted(path.name for path in (tmp_path / "induction" / "runs").iterdir()) == ["1L.json", "2L-smear.json"]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished variant was trained again")
+
+    monkeypatch.setattr(induction, "train_variant", no_training)
+    again = run_experiment(_tiny_experiment(tmp_path))
+    assert json.loads(json.dumps(again["summary"])) == json.loads(json.dumps(first["summary"]))
+    with pytest.raises(AssertionError, match="trained again"):
+        run_experiment(_tiny_experiment(tmp_path, steps=6))
+
+
 def test_experiment_cli_and_config_errors(tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["--variants", "1L-smear", "--steps", "2", "--eval-every", "1", "--vocab-size", "12",

@@ -29,6 +29,7 @@ learning history (starting at an episode start) shown twice; see :func:`ad_repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -63,11 +64,13 @@ from ..analysis.induction import (
 )
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 from .harness import command_string, machine_description, pyplot, run_folder, warmup_then_constant, write_results
+from .sweep import SweepOptions, reuse_or_run, run_trials, settings_key, sweep_options
 
 
 @dataclass
-class InductionConfig:
-    """The phase-change experiment; defaults finish in a few minutes on 2 CPU cores."""
+class InductionConfig(SweepOptions):
+    """The phase-change experiment; defaults finish in a few minutes on 2 CPU cores. Each variant is one trial
+    of :mod:`~icrl_models.experiments.sweep` (on Ray Tune when installed)."""
 
     # Several values (--variants 1L 2L-smear); a comma-separated 1L,2L-smear (older command lines and
     # induction.json files) is read the same.
@@ -104,6 +107,7 @@ class InductionConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         self.variants = as_tuple(self.variants, str, "variants")
         for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "steps", "batch_size",
                      "eval_every", "eval_batch"):  # fmt: skip
@@ -356,16 +360,47 @@ def run_experiment(config: InductionConfig, *, command: str | None = None) -> di
         return _run_experiment(config, command)
 
 
-def _run_experiment(config: InductionConfig, command: str | None) -> dict:
-    out_dir = run_folder(config.out_dir)
-    start = time.perf_counter()
+@dataclass
+class InductionTrial:
+    """One variant to train (:func:`train_variant`); ``threads``: torch threads of a Ray trial (0: the
+    process's, set by :func:`run_experiment`)."""
+
+    config: InductionConfig
+    name: str
+    layers: int
+    smear: bool
+    position: int
+    threads: int = 0
+
+
+def _eval_batch(config: InductionConfig) -> EvalBatch:
+    """The fixed evaluation batch every variant is scored on."""
     tokens = repeated_random_tokens(
         config.eval_batch, config.eval_seq_len, config.vocab_size, generator=torch.Generator().manual_seed(12345)
     )
-    eval_batch = EvalBatch(tokens, config.eval_seq_len)
-    results = {}
-    for index, (name, layers, smear) in enumerate(config.variant_specs()):
-        results[name] = train_variant(name, layers, smear, config, eval_batch, position=index)
+    return EvalBatch(tokens, config.eval_seq_len)
+
+
+def train_trial(trial: InductionTrial) -> dict:
+    """:func:`train_variant` for one trial; its result is kept in ``<out_dir>/runs/<variant>.json`` under the
+    config's settings, so a rerun (or a resumed sweep) reuses it."""
+
+    def run() -> dict:
+        with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
+            return train_variant(trial.name, trial.layers, trial.smear, trial.config, _eval_batch(trial.config),
+                                 position=trial.position)  # fmt: skip
+
+    key = settings_key(trial.config, ("out_dir", "progress", "num_threads", "variants"), variant=trial.name)
+    return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)
+
+
+def _run_experiment(config: InductionConfig, command: str | None) -> dict:
+    out_dir = run_folder(config.out_dir)
+    start = time.perf_counter()
+    specs = config.variant_specs()
+    trials = [InductionTrial(config, name, layers, smear, index) for index, (name, layers, smear) in enumerate(specs)]
+    outcomes = run_trials(trials, train_trial, sweep_options(config), name="induction", storage=out_dir / "ray")
+    results = {trial.name: outcome for trial, outcome in zip(trials, outcomes)}
     summary = {
         name: {
             "final_best_induction": r["final"]["best_induction"],

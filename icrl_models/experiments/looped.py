@@ -18,6 +18,7 @@ curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -51,6 +52,7 @@ from .harness import (
     warmup_then_constant,
     write_results,
 )
+from .sweep import SweepOptions, run_trials, sweep_options
 
 PRESETS: dict[str, dict] = {
     # The paper's Section 5 setting (d = 5, k = 10) shrunk to a 2-core budget: D = 64 instead of 256,
@@ -78,8 +80,9 @@ def _field(help_text: str, default=None):
 
 
 @dataclass
-class LoopedExperimentConfig:
-    """One run of ``icrl-looped``; ``None`` fields take the preset's value."""
+class LoopedExperimentConfig(SweepOptions):
+    """One run of ``icrl-looped``; ``None`` fields take the preset's value. The looped and the unlooped model
+    train as two trials of :mod:`~icrl_models.experiments.sweep` (on Ray Tune when installed)."""
 
     preset: str = _field(f"one of {tuple(PRESETS)}", "cpu")
     task: str = _field(f"function class, one of {FUNCTION_CLASSES}", "linear_regression")
@@ -117,6 +120,7 @@ class LoopedExperimentConfig:
     out_dir: str = _field("output folder", "runs/looped")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         fill_from_preset(self, PRESETS)
         if self.grad_loops > self.loops_start:
             raise ValueError(f"grad_loops ({self.grad_loops}) must be <= loops_start ({self.loops_start})")
@@ -152,7 +156,7 @@ class LoopedExperimentConfig:
 
 #: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
 RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
-                   "checkpoint_every", "eval_every")  # fmt: skip
+                   "checkpoint_every", "eval_every", *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
 
 
 def run_identity(config: LoopedExperimentConfig) -> dict:
@@ -301,8 +305,29 @@ def run_experiment(config: LoopedExperimentConfig, *, command: str | None = None
         return _run_experiment(config, command)
 
 
+@dataclass
+class LoopedTrial:
+    """One model of the experiment to train (:func:`train_model`); ``threads``: torch threads of a Ray trial
+    (0: the process's, set by :func:`run_experiment`)."""
+
+    config: LoopedExperimentConfig
+    looped: bool
+    threads: int = 0
+
+
+def train_trial(trial: LoopedTrial) -> dict:
+    """Train one model to its final checkpoint (``out_dir/<name>.pt``); ``{"wall_s"}``."""
+    with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
+        _, history = train_model(trial.config, trial.looped)
+    return {"wall_s": history["wall_s"]}
+
+
 def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict:
     out_dir = run_folder(config.out_dir)
+    # Both models train as trials (in parallel on Ray Tune); each ends with its final checkpoint, from which
+    # train_model below returns at once with the model and its history.
+    trials = [LoopedTrial(config, looped) for looped in ((True,) if config.skip_unlooped else (True, False))]
+    run_trials(trials, train_trial, sweep_options(config), name="looped", storage=out_dir / "ray")
     looped_model, looped_history = train_model(config, looped=True)
     unlooped_model, unlooped_history = (None, None) if config.skip_unlooped else train_model(config, looped=False)
     evaluation_start = time.perf_counter()

@@ -113,7 +113,7 @@ from .harness import (
     warmup_then_constant,
     write_results,
 )
-from .sweep import SweepOptions, run_trials, sweep_options
+from .sweep import SweepOptions, reuse_or_run, run_trials, settings_key, sweep_options
 
 PRESETS = ("cpu", "paper", "memory", "paper-memory")
 #: task name -> (horizon, what the observation lacks)
@@ -703,10 +703,8 @@ class MarkovTrial:
 
     def key(self) -> dict:
         """What the run's result depends on: the config without where and how it runs, and the run."""
-        where = {"out_dir", "progress", "device", "num_threads", *(f.name for f in dataclasses.fields(SweepOptions))}
-        settings = {name: value for name, value in dataclasses.asdict(self.config).items() if name not in where}
-        run = {"seed": self.seed, "task": self.task, "corridor_length": self.corridor_length, "k": self.k}
-        return json.loads(json.dumps({**settings, **run}))  # tuples as lists, as read back from the file
+        return settings_key(self.config, ("out_dir", "progress", "device", "num_threads"), seed=self.seed,
+                            task=self.task, corridor_length=self.corridor_length, k=self.k)  # fmt: skip
 
 
 #: The last backbone built (config, seed) -> (model config, weights): the runs of one seed share it.
@@ -724,23 +722,16 @@ def _shared_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict
 def run_markov_trial(trial: MarkovTrial) -> dict:
     """Train and analyse one run (:func:`run_task`): ``{"result", "model_config"}``. The outcome is kept in
     ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it."""
-    path, key = trial.result_path(), trial.key()
-    if path.exists():
-        stored = json.loads(path.read_text())
-        if stored.get("key") == key:
-            return stored["outcome"]
-    threads = torch_threads(trial.threads) if trial.threads else contextlib.nullcontext()
-    with threads:
-        model_config, backbone = _shared_backbone(trial.config, trial.seed)
-        task = make_task(trial.task, trial.config, trial.corridor_length)
-        result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
-                          resolve_device(trial.config.device))  # fmt: skip
-    outcome = {"result": result, "model_config": dt_config_dict(model_config)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps({"key": key, "outcome": outcome}))
-    partial.replace(path)  # atomic: a killed run leaves no half-written result
-    return outcome
+
+    def run() -> dict:
+        with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
+            model_config, backbone = _shared_backbone(trial.config, trial.seed)
+            task = make_task(trial.task, trial.config, trial.corridor_length)
+            result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
+                              resolve_device(trial.config.device))  # fmt: skip
+        return {"result": result, "model_config": dt_config_dict(model_config)}
+
+    return reuse_or_run(trial.result_path(), trial.key(), run)
 
 
 def output_stem(config: MarkovConfig) -> str:

@@ -161,3 +161,32 @@ def _run_on_ray(
         missing = [configs[i].out_dir for i, outcome in enumerate(outcomes) if outcome is None]
         raise RuntimeError(f"Ray Tune trials failed ({'; '.join(errors) or 'no result'}): {missing}")
     return outcomes  # type: ignore[return-value]
+
+
+# --- results kept per trial (resuming experiments whose trials are not icrl-train runs) ---------------------
+
+
+def settings_key(config: Any, run_only: Sequence[str] = (), **run: Any) -> dict:
+    """What a trial's result depends on: the dataclass ``config`` without the fields that only say where and
+    how it runs (``run_only`` and :class:`SweepOptions`'), plus the trial's own ``run`` values; as JSON reads
+    it back (tuples become lists), so that it compares equal to a stored key."""
+    where = {*run_only, *(field.name for field in dataclasses.fields(SweepOptions))}
+    settings = {name: value for name, value in dataclasses.asdict(config).items() if name not in where}
+    return json.loads(json.dumps({**settings, **run}))
+
+
+def reuse_or_run(path: str | Path, key: dict, run: Callable[[], dict]) -> dict:
+    """``run()``'s outcome, kept in the JSON file ``path`` under ``key``: a later call with the same key reads
+    it back instead of running again, which is how a rerun (or a resumed sweep) skips finished trials. The
+    file is replaced atomically, so a killed trial leaves no half-written result."""
+    path = Path(path)
+    if path.exists():
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key:
+            return stored["outcome"]
+    outcome = run()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"key": key, "outcome": outcome}))
+    partial.replace(path)
+    return outcome
