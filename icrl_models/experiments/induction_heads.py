@@ -29,7 +29,6 @@ learning history (starting at an episode start) shown twice; see :func:`ad_repor
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -362,15 +361,13 @@ def run_experiment(config: InductionConfig, *, command: str | None = None) -> di
 
 @dataclass
 class InductionTrial:
-    """One variant to train (:func:`train_variant`); ``threads``: torch threads of a Ray trial (0: the
-    process's, set by :func:`run_experiment`)."""
+    """One variant to train (:func:`train_variant`)."""
 
     config: InductionConfig
     name: str
     layers: int
     smear: bool
     position: int
-    threads: int = 0
 
 
 def _eval_batch(config: InductionConfig) -> EvalBatch:
@@ -386,9 +383,8 @@ def train_trial(trial: InductionTrial) -> dict:
     config's settings, so a rerun (or a resumed sweep) reuses it."""
 
     def run() -> dict:
-        with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
-            return train_variant(trial.name, trial.layers, trial.smear, trial.config, _eval_batch(trial.config),
-                                 position=trial.position)  # fmt: skip
+        return train_variant(trial.name, trial.layers, trial.smear, trial.config, _eval_batch(trial.config),
+                             position=trial.position)  # fmt: skip
 
     key = settings_key(trial.config, ("out_dir", "progress", "num_threads", "variants"), variant=trial.name)
     return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)

@@ -18,7 +18,6 @@ curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import sys
 import time
@@ -307,18 +306,15 @@ def run_experiment(config: LoopedExperimentConfig, *, command: str | None = None
 
 @dataclass
 class LoopedTrial:
-    """One model of the experiment to train (:func:`train_model`); ``threads``: torch threads of a Ray trial
-    (0: the process's, set by :func:`run_experiment`)."""
+    """One model of the experiment to train (:func:`train_model`)."""
 
     config: LoopedExperimentConfig
     looped: bool
-    threads: int = 0
 
 
 def train_trial(trial: LoopedTrial) -> dict:
     """Train one model to its final checkpoint (``out_dir/<name>.pt``); ``{"wall_s"}``."""
-    with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
-        _, history = train_model(trial.config, trial.looped)
+    _, history = train_model(trial.config, trial.looped)
     return {"wall_s": history["wall_s"]}
 
 

@@ -80,7 +80,6 @@ Presets: ``cpu`` (default; a tiny model, about 10 minutes on one CPU thread), ``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
@@ -687,15 +686,13 @@ def run_experiment(config: MarkovConfig, *, command: str | None = None) -> dict:
 @dataclass
 class MarkovTrial:
     """One run of the experiment: ``task`` (a Cue Corridor of ``corridor_length``, or a grid world with
-    None) at context length ``k``, for one seed. ``threads``: torch threads of a Ray trial (0: the
-    process's, set by :func:`run_experiment`)."""
+    None) at context length ``k``, for one seed."""
 
     config: MarkovConfig
     seed: int
     task: str
     corridor_length: int | None
     k: int
-    threads: int = 0
 
     def result_path(self) -> Path:
         corridor = "" if self.corridor_length is None else f"-c{self.corridor_length}"
@@ -724,11 +721,10 @@ def run_markov_trial(trial: MarkovTrial) -> dict:
     ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it."""
 
     def run() -> dict:
-        with torch_threads(trial.threads) if trial.threads else contextlib.nullcontext():
-            model_config, backbone = _shared_backbone(trial.config, trial.seed)
-            task = make_task(trial.task, trial.config, trial.corridor_length)
-            result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
-                              resolve_device(trial.config.device))  # fmt: skip
+        model_config, backbone = _shared_backbone(trial.config, trial.seed)
+        task = make_task(trial.task, trial.config, trial.corridor_length)
+        result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
+                          resolve_device(trial.config.device))  # fmt: skip
         return {"result": result, "model_config": dt_config_dict(model_config)}
 
     return reuse_or_run(trial.result_path(), trial.key(), run)

@@ -1,9 +1,10 @@
 """Run an experiment's trials one after another in this process, or as Ray Tune trials (the ``sweep`` extra).
 
-A trial is one ordinary ``icrl-train`` run: a :class:`~icrl_models.train.TrainConfig` with its own run
-folder. The experiment gives :func:`run_trials` the configs and the function that trains, evaluates and
-scores one (``run_trial``); it gets the outcomes back in the configs' order, whichever way they ran, and
-gathers them exactly as before.
+A trial is one training run: an ``icrl-train`` run (a :class:`~icrl_models.train.TrainConfig` with its own
+run folder) for ``icrl-compare`` and ``icrl-headless --ablations``, or a small dataclass naming one run of
+``icrl-markov``, ``icrl-looped`` or ``icrl-induction``. The experiment gives :func:`run_trials` the trials
+and the module-level function that runs one; it gets the outcomes back in the trials' order, whichever way
+they ran, and gathers them exactly as before.
 
 * **local** (the default without Ray): a loop in this process, as the commands always ran.
 * **ray** (the default when ``ray[tune]`` is installed): each config is one Ray Tune trial on a Ray
@@ -11,9 +12,9 @@ gathers them exactly as before.
   ``ray_address``. A trial asks for ``trial_cpus`` CPUs (its run uses that many torch threads) and
   ``trial_gpus`` GPUs (default: one where the cluster has GPUs, so one trial per GPU; none otherwise).
 
-Resuming needs nothing from Ray: a run whose folder holds its finished evaluation is not trained again
-(its stored result comes back), and an interrupted run resumes from its ``checkpoint.pt``. Rerunning a
-killed sweep's command therefore trains only what was left.
+Resuming needs nothing from Ray: an ``icrl-train`` run whose folder holds its finished evaluation is not
+trained again and an interrupted one resumes from its ``checkpoint.pt``; other trials keep their outcome
+with :func:`reuse_or_run`. Rerunning a killed sweep's command therefore trains only what was left.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..train import TrainConfig
+from ..config import torch_threads
 
 SCHEDULERS = ("auto", "ray", "local")
 SWEEP_HINT = "(runs trials one at a time; pip install 'icrl-kernels[sweep]' runs them in parallel on Ray Tune)"
@@ -77,8 +77,8 @@ def sweep_options(config: Any) -> SweepOptions:
 
 
 def run_trials(
-    configs: Sequence[TrainConfig],
-    runner: Callable[[TrainConfig], dict],
+    configs: Sequence[Any],
+    runner: Callable[[Any], dict],
     options: SweepOptions,
     *,
     name: str,
@@ -88,9 +88,10 @@ def run_trials(
     """``[runner(config) for config in configs]``, locally or as Ray Tune trials (see the module docstring).
 
     Args:
-        configs: one training run each, every one with its own ``out_dir``.
-        runner: trains, evaluates and scores one config; returns a JSON-serialisable dict. Must be a
-            module-level function (Ray sends it to its workers by reference).
+        configs: one trial each (a ``TrainConfig`` with its own ``out_dir``, or an experiment's trial).
+        runner: runs one trial (train, evaluate, score); returns a JSON-serialisable dict. Must be a
+            module-level function (Ray sends it to its workers by reference). On Ray it runs with
+            ``trial_cpus`` torch threads.
         options: the scheduler and the resources of a Ray trial.
         name, storage: Ray Tune's experiment name and the folder of its own records (under the sweep's
             output folder); unused locally.
@@ -110,17 +111,20 @@ def run_trials(
     return _run_on_ray(configs, runner, options, name=name, storage=Path(storage), on_outcome=on_outcome)
 
 
-def _ray_trial(params: dict, *, configs: Sequence[TrainConfig], runner: Callable[[TrainConfig], dict]) -> None:
-    """One Ray Tune trial: run config ``params["trial"]`` and report its outcome (as JSON: Ray flattens dicts)."""
+def _ray_trial(params: dict, *, configs: Sequence[Any], runner: Callable[[Any], dict], threads: int) -> None:
+    """One Ray Tune trial: run config ``params["trial"]`` with ``threads`` torch threads (its CPU share) and
+    report its outcome (as JSON: Ray flattens dicts)."""
     from ray import tune
 
     index = params["trial"]
-    tune.report({"trial": index, "outcome": json.dumps(runner(configs[index]))})
+    with torch_threads(threads):
+        outcome = runner(configs[index])
+    tune.report({"trial": index, "outcome": json.dumps(outcome)})
 
 
 def _run_on_ray(
-    configs: Sequence[TrainConfig],
-    runner: Callable[[TrainConfig], dict],
+    configs: Sequence[Any],
+    runner: Callable[[Any], dict],
     options: SweepOptions,
     *,
     name: str,
@@ -136,10 +140,12 @@ def _run_on_ray(
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     threads = max(1, int(options.trial_cpus))
-    # A run's torch threads follow its CPU share; an explicit --threads of the sweep wins.
-    configs = [config if config.threads else dataclasses.replace(config, threads=threads) for config in configs]
+    # A trial's torch threads follow its CPU share (_ray_trial). icrl-train runs set their own from
+    # TrainConfig.threads: its automatic 0 becomes the share too; an explicit --threads of the sweep wins.
+    configs = [dataclasses.replace(c, threads=threads) if getattr(c, "threads", None) == 0 else c for c in configs]
     trainable = tune.with_resources(
-        tune.with_parameters(_ray_trial, configs=configs, runner=runner), {"cpu": options.trial_cpus, "gpu": gpus}
+        tune.with_parameters(_ray_trial, configs=configs, runner=runner, threads=threads),
+        {"cpu": options.trial_cpus, "gpu": gpus},
     )
     tuner = tune.Tuner(
         trainable,
