@@ -14,6 +14,11 @@ the device's measured copy bandwidth and matmul peaks, and the roofline bound
 ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, so that
 ``benchmarks/summarize.py`` can print ratios, targets and roofline fractions from the JSON alone.
 
+Profile (``ICRL_BENCH_PROFILE=1``, CUDA only): after the timed rounds, :data:`PROFILE_CALLS` more calls run
+under ``torch.profiler`` and ``extra_info`` gets, per call, the device-busy seconds (the union of the
+kernel and copy intervals), the launches and the five kernels that take longest, so that
+``summarize.py`` can say whether a case is bound by its kernels or by the host (launch gaps, Python).
+
 L2: inputs are not rotated between timed calls, so a case whose working set fits in the L2 cache
 (50 MB on an H100) may read it from L2 rather than device memory and run faster than the copy
 bandwidth allows. Rotating input sets would need per-op code and, for the large cases that the targets
@@ -38,6 +43,10 @@ from icrl_kernels._cost import OpCost, roofline
 TARGET_SECONDS = float(os.environ.get("ICRL_BENCH_SECONDS", "1.0"))
 MIN_ROUNDS = 3
 MAX_ROUNDS = 200
+
+#: ``ICRL_BENCH_PROFILE=1``: profile :data:`PROFILE_CALLS` calls of every CUDA benchmark after timing it.
+PROFILE = os.environ.get("ICRL_BENCH_PROFILE", "0") == "1"
+PROFILE_CALLS = 5
 
 
 def full_run() -> bool:
@@ -235,6 +244,41 @@ def _choose_rounds(step: Callable[[], None], device: torch.device) -> int:
     return int(min(MAX_ROUNDS, max(MIN_ROUNDS, TARGET_SECONDS / max(seconds, 1e-9))))
 
 
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``(start, end)`` intervals given in microseconds, in seconds."""
+    total, covered_until = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > covered_until:
+            total += end - max(start, covered_until)
+            covered_until = end
+    return total * 1e-6
+
+
+def device_profile(call: Callable[[], None], calls: int = PROFILE_CALLS) -> dict[str, Any]:
+    """Where the time of ``call()`` (which ends with a device sync) goes on CUDA, per call over ``calls`` calls:
+    ``device_busy_seconds`` (the union of the kernel and memcpy/memset intervals: device time with work),
+    ``launches_per_call`` and ``top_kernels`` (``[name, seconds per call]``, the five longest by total time).
+
+    A busy time far below the timed median means the device waits for the host (launch gaps, Python,
+    syncs); close to it means the kernels themselves are the cost."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            call()
+    device_events = [event for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    per_kernel: dict[str, float] = {}
+    for event in device_events:
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() * 1e-6 / calls
+    top = sorted(per_kernel.items(), key=lambda item: -item[1])[:5]
+    return {
+        "device_busy_seconds": _union_seconds([(e.time_range.start, e.time_range.end) for e in device_events]) / calls,
+        "launches_per_call": len(device_events) / calls,
+        "top_kernels": [[name[:100], seconds] for name, seconds in top],
+    }
+
+
 @pytest.fixture
 def timed(benchmark, copy_bandwidth, matmul_peak):
     """Time ``step()`` (which must leave no pending work but CUDA kernels): the core of every benchmark.
@@ -285,6 +329,11 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
         if device.type == "cuda":
             benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
             benchmark.extra_info["roofline_fraction"] = benchmark.extra_info["roofline_seconds"] / median
+            if PROFILE:
+                try:
+                    benchmark.extra_info.update(device_profile(call))
+                except Exception as error:  # a profiler failure must not lose the timing
+                    benchmark.extra_info["profile_error"] = f"{type(error).__name__}: {error}"[:300]
 
     return run
 

@@ -81,6 +81,15 @@ SANITIZER_SELECTION = [
     ("tests/test_smeared_keys.py", "strided and {device}"),
 ]
 
+
+def sanitizer_selection(device: str) -> list[str]:
+    """pytest arguments selecting :data:`SANITIZER_SELECTION` in one run: the files, then one ``-k``
+    expression that ORs the files' expressions (a test matching another file's words is taken too)."""
+    files = list(dict.fromkeys(path for path, _ in SANITIZER_SELECTION))
+    words = " or ".join(f"({expression.format(device=device)})" for _, expression in SANITIZER_SELECTION)
+    return [*files, "-k", words]
+
+
 #: The benchmark slices of the ``full-*`` stages: ``(stage, files, -k expression or None)``.
 FULL_SLICES = [
     ("full-ngram", ["benchmarks/bench_ngram_attention.py"], None),
@@ -308,26 +317,25 @@ def stage_parity(ctx: Context) -> tuple[str, dict]:
             code = _pytest(ctx, [*xdist, "-m", "gpu", "tests"], "parity.log", junit)
             results["suite"] = {"exit": code, **_junit_counts(junit)}
 
+        # One pytest process for the whole selection: under the sanitizer, CUDA and torch start-up alone take
+        # tens of seconds, so one process per file would spend most of the stage starting.
         sanitizer = None if ctx.dry_run else (shutil.which("compute-sanitizer") or _find_sanitizer())
-        selection = [arg for path, expr in SANITIZER_SELECTION for arg in (path, "-k", expr.format(device=ctx.device))]
-        sanitized: list[dict] = []
-        for path, expression in SANITIZER_SELECTION:
-            junit = Path(tmp) / f"memcheck-{Path(path).stem}.xml"
-            args = [path, "-k", expression.format(device=ctx.device)]
-            if sanitizer:
-                prefix = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all"]
-                command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                           f"--junitxml={junit}", *args]  # fmt: skip
-                sub_code = ctx.run(command, "parity.log")
-            else:
-                sub_code = _pytest(ctx, args, "parity.log", junit)
-            sanitized.append({"file": path, "selection": args[2], "exit": sub_code, **_junit_counts(junit)})
+        selection = sanitizer_selection(ctx.device)
+        junit = Path(tmp) / "memcheck.xml"
+        if sanitizer:
+            prefix = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all"]
+            command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                       f"--junitxml={junit}", *selection]  # fmt: skip
+            code = ctx.run(command, "parity.log")
+        else:
+            code = _pytest(ctx, selection, "parity.log", junit)
+        sanitized = [{"file": "edge cases", "selection": " ".join(selection), "exit": code, **_junit_counts(junit)}]
         results["memcheck"] = {"sanitizer": sanitizer or "not run (no compute-sanitizer, or dry run)",
                                "runs": sanitized, "selection": selection}  # fmt: skip
     ctx.write("parity.json", results)
     lines = ["# Parity", "", "| run | exit | tests | failed | errors | skipped |", "|---|---|---|---|---|---|"]
     lines.append(_count_row("suite", results["suite"]))
-    lines += [_count_row(f"memcheck {run['file']} -k '{run['selection']}'", run) for run in sanitized]
+    lines += [_count_row("memcheck (edge cases)", run) for run in sanitized]
     failed = results["suite"]["failed"] + [name for run in sanitized for name in run["failed"]]
     lines += ["", f"memcheck: {results['memcheck']['sanitizer']}", ""] + [f"- FAILED {name}" for name in failed]
     ctx.write("parity.md", "\n".join(lines) + "\n")
@@ -353,10 +361,10 @@ def stage_configs(ctx: Context) -> tuple[str, dict]:
     return _status(code), {"tests": counts["tests"], "failed": len(counts["failed"])}
 
 
-def _benchmark_stage(ctx: Context, name: str, args: list[str]) -> tuple[str, dict]:
+def _benchmark_stage(ctx: Context, name: str, args: list[str], extra_env: dict | None = None) -> tuple[str, dict]:
     """Run benchmarks into ``<name>.json`` and summarise them into ``<name>.md``."""
     json_path = ctx.out / f"{name}.json"
-    env = dict(ctx.env)
+    env = {**ctx.env, **(extra_env or {})}
     if ctx.dry_run:
         env["ICRL_BENCH_SECONDS"] = "0.001"  # time three rounds: enough to exercise the JSON and summary
     code = _pytest(ctx, [*args, f"--benchmark-json={json_path}"], f"{name}.log", env=env)
@@ -371,6 +379,25 @@ def _benchmark_stage(ctx: Context, name: str, args: list[str]) -> tuple[str, dic
 
 def stage_headline(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "headline", ["benchmarks", "-m", "headline"])
+
+
+#: The headline cases of our own kernels, and of the peers named by a target that the headline stage could not
+#: measure or that bound ours (Liger where installed, the ungated SDPA layer MoA is judged against), by id words.
+PROFILE_SELECTION = (
+    "sort or fused or mixture or inject or smeared_keys or liger or (moa_attention and (triton or ungated))"
+)
+
+
+def stage_profile(ctx: Context) -> tuple[str, dict]:
+    """Our headline cases again, each followed by a few calls under ``torch.profiler`` (``ICRL_BENCH_PROFILE``):
+    device-busy time per call against the median, launches, longest kernels (the "where the time goes" table)."""
+    args = ["benchmarks", "-m", "headline", "-k", PROFILE_SELECTION]
+    return _benchmark_stage(ctx, "profile", args, extra_env={"ICRL_BENCH_PROFILE": "1"})
+
+
+def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
+    """The tiled against the sort n-gram kernels over ``L`` (fp32 and bf16): ``TILED_MAX_LENGTH``'s data."""
+    return _benchmark_stage(ctx, "ngram-crossover", ["benchmarks/bench_ngram_attention.py", "-k", "tiled_crossover"])
 
 
 #: The training runs of the ``train`` stage: ``(name, icrl-train flags)``, each with ``backend="auto"`` and
@@ -449,6 +476,10 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
                 "autotuned kernel"),
     "headline": (stage_headline, "~4-5 min (measured on an H200: 36 cases in 166 s, then 24 in 106 s): ~1 s "
                  "of timed calls per case plus autotuning and torch.compile/FlexAttention compiles"),
+    "profile": (stage_profile, "~1-2 min (estimate): our headline cases (~20) timed again, then 5 calls each "
+                "under torch.profiler: device-busy time against the median, launches, longest kernels"),
+    "ngram-crossover": (stage_ngram_crossover, "~1-2 min (estimate): tiled vs sort n-gram kernels over L, "
+                        "fp32 and bf16 (TILED_MAX_LENGTH)"),
     "train": (stage_train, "~3-5 min (estimate): 400 steps of icrl-train, the main job and N-Gram AD at width "
               "512, each with the fused kernels and with --backend reference, after 200 histories are generated"),
     **{name: (_full_stage(name, files, expression), "up to 8 min: stopped at --timeout, results kept")
@@ -480,12 +511,27 @@ def base_env(dry_run: bool, wheels: Path | None) -> dict[str, str]:
     return env
 
 
-def parse_stages(text: str) -> list[str]:
-    names = list(STAGES) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in STAGES]
-    if unknown or not names:
+def parse_stages(text: str, default_timeout: float = DEFAULT_TIMEOUT) -> list[tuple[str, float]]:
+    """``"env,parity:250"`` -> ``[("env", default_timeout), ("parity", 250.0)]``: each stage with its time
+    limit in seconds (``name:seconds``; ``all`` runs every stage with the default)."""
+    if text == "all":
+        return [(name, default_timeout) for name in STAGES]
+    stages = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        name, _, seconds = item.partition(":")
+        try:
+            timeout = float(seconds) if seconds else default_timeout
+        except ValueError:
+            raise SystemExit(f"gpu_check: --stages {item!r}: the time limit after ':' must be seconds") from None
+        if timeout <= 0:
+            raise SystemExit(f"gpu_check: --stages {item!r}: the time limit must be positive")
+        stages.append((name.strip(), timeout))
+    unknown = [name for name, _ in stages if name not in STAGES]
+    if unknown or not stages:
         raise SystemExit(f"gpu_check: unknown stage(s) {unknown or text!r}; choose from: all, {', '.join(STAGES)}")
-    return names
+    return stages
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,7 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "out", nargs="?", type=Path, help="output folder (created; results are written as each stage ends)"
     )
-    parser.add_argument("--stages", default="all", help="comma-separated stages, or 'all' (default); see --list")
+    parser.add_argument(
+        "--stages",
+        default="all",
+        help="comma-separated stages, each optionally with its own time "
+        "limit ('parity:250'), or 'all' (default); see --list",
+    )
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per stage (default 480)")
     parser.add_argument("--dry-run", action="store_true", help="rehearse every stage on the CPU under the interpreter")
     parser.add_argument("--wheels", type=Path, help="a folder of wheels to install (no network) before the stages")
@@ -505,13 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("the output folder is required (or --list)")
-    names = parse_stages(args.stages)
+    stages = parse_stages(args.stages, args.timeout)
     args.out.mkdir(parents=True, exist_ok=True)
     env = base_env(args.dry_run, args.wheels)
     record_path = args.out / "stages.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    for name in names:
-        ctx = Context(args.out, args.dry_run, args.timeout, env, deadline=time.monotonic() + args.timeout)
+    for name, timeout in stages:
+        ctx = Context(args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout)
         print(f"[gpu_check] {name} ...", flush=True)
         start = time.monotonic()
         try:
@@ -522,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         record[name] = {"status": status, "seconds": round(seconds, 1), "dry_run": args.dry_run, **details}
         record_path.write_text(json.dumps(record, indent=1))
         print(f"[gpu_check] {name}: {status} in {seconds:.0f} s {details}", flush=True)
-    failed = [name for name in names if record[name]["status"] != "passed"]
+    failed = [name for name, _ in stages if record[name]["status"] != "passed"]
     print(f"[gpu_check] results in {args.out}; " + (f"not passed: {', '.join(failed)}" if failed else "all passed"))
     return 1 if failed else 0
 

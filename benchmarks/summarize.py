@@ -91,6 +91,10 @@ NOT_SHAPE = {
     "transitions",
     "transitions_per_second",
     "index_build_seconds",
+    "device_busy_seconds",
+    "launches_per_call",
+    "top_kernels",
+    "profile_error",
 }
 
 #: The roofline target of every op: measured time at most this many times the roofline bound.
@@ -614,12 +618,36 @@ def crossovers(rows: dict[tuple, dict[str, dict]], backends: list[str]) -> list[
     return lines + ([""] if lines else [])
 
 
+def profile_table(data: dict) -> list[str]:
+    """Where the time goes, for the cases run with ``ICRL_BENCH_PROFILE=1``: the median, the device-busy
+    time per call (kernels and copies), busy / median (near 100%: the kernels are the cost; far below:
+    the device waits for the host), the launches per call and the longest kernels."""
+    rows = []
+    for bench in data["benchmarks"]:
+        info = bench.get("extra_info", {})
+        if "device_busy_seconds" not in info and "profile_error" not in info:
+            continue
+        median = bench["stats"]["median"]
+        if "profile_error" in info:
+            rows.append([bench["name"], _fmt_ms(median), "-", "-", "-", info["profile_error"]])
+            continue
+        busy = info["device_busy_seconds"]
+        kernels = "; ".join(f"{name[:48]} {_fmt_ms(seconds)}" for name, seconds in info["top_kernels"][:3])
+        rows.append([bench["name"], _fmt_ms(median), _fmt_ms(busy), f"{100 * busy / median:.0f}%",
+                     f"{info['launches_per_call']:.0f}", kernels or "-"])  # fmt: skip
+    if not rows:
+        return []
+    columns = ["case", "median ms", "device busy ms", "busy / median", "launches", "longest kernels (ms per call)"]
+    return ["## Where the time goes (torch.profiler, per call)", ""] + _table(columns, rows) + [""]
+
+
 def summarize(path: Path) -> str:
     data = load(path)
     all_sections = sections(data)
     lines = header(data) + [""] + target_summary(all_sections)
     for section in all_sections.values():
         lines += section_tables(section)
+    lines += profile_table(data)
     return "\n".join(lines).rstrip() + "\n"
 
 

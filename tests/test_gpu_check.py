@@ -38,10 +38,22 @@ def test_junit_counts_name_failures_and_errors(tmp_path):
 
 
 def test_parse_stages():
-    assert gpu_check.parse_stages("all") == list(gpu_check.STAGES)
-    assert gpu_check.parse_stages("env, headline") == ["env", "headline"]
+    assert gpu_check.parse_stages("all", 60) == [(name, 60) for name in gpu_check.STAGES]
+    assert gpu_check.parse_stages("env, headline", 60) == [("env", 60), ("headline", 60)]
+    assert gpu_check.parse_stages("parity:250,train", 60) == [("parity", 250.0), ("train", 60)]
     with pytest.raises(SystemExit, match="unknown stage"):
         gpu_check.parse_stages("env,bogus")
+    with pytest.raises(SystemExit, match="must be seconds"):
+        gpu_check.parse_stages("parity:soon")
+    with pytest.raises(SystemExit, match="must be positive"):
+        gpu_check.parse_stages("parity:0")
+
+
+def test_sanitizer_selection_is_one_run_over_every_file():
+    selection = gpu_check.sanitizer_selection("cuda")
+    files = {path for path, _ in gpu_check.SANITIZER_SELECTION}
+    assert set(selection[:-2]) == files and selection[-2] == "-k"
+    assert selection[-1].count("and cuda") == len(gpu_check.SANITIZER_SELECTION)
 
 
 def test_every_full_slice_names_existing_benchmark_files():

@@ -240,3 +240,42 @@ def test_cpu_only_results_print_ratios_without_verdicts(tmp_path):
     assert "no verdicts" in text
     assert " pass |" not in text and "FAIL**" not in text
     assert "0.40x" in text  # reference / ours: eager is 2.5x slower than the dense matmul at L = 64
+
+
+def test_profile_table_reports_busy_fraction_and_longest_kernels(tmp_path):
+    data = fake_results()
+    profiled = data["benchmarks"][0]  # n-gram triton-sort, median 1 ms
+    profiled["extra_info"].update(device_busy_seconds=2.5e-4, launches_per_call=9.0,
+                                  top_kernels=[["_ngram_fwd_kernel", 1e-4], ["radixSort", 5e-5]])  # fmt: skip
+    data["benchmarks"][1]["extra_info"]["profile_error"] = "RuntimeError: no CUPTI"
+    path = tmp_path / "profiled.json"
+    path.write_text(json.dumps(data))
+    text = summarize.summarize(path)
+    table = text.split("## Where the time goes")[1]
+    row = next(line for line in table.splitlines() if profiled["name"] in line)
+    assert "| 1 | 0.25 | 25% | 9 | _ngram_fwd_kernel 0.1; radixSort 0.05 |" in row
+    assert "RuntimeError: no CUPTI" in table
+    # Profile entries are measurements, not shape columns.
+    assert "device_busy_seconds" not in text.split("## Where the time goes")[0]
+
+
+def test_profile_table_absent_without_profiled_cases(results_path):
+    assert "Where the time goes" not in summarize.summarize(results_path)
+
+
+def test_union_of_device_intervals():
+    from benchmarks.conftest import _union_seconds
+
+    # [0, 10] and [5, 20] overlap (20 us covered), [30, 31] is apart: 21 us.
+    assert _union_seconds([(30.0, 31.0), (5.0, 20.0), (0.0, 10.0)]) == pytest.approx(21e-6)
+    assert _union_seconds([]) == 0.0
+
+
+def test_device_profile_runs_without_cuda_work():
+    import torch
+
+    from benchmarks.conftest import device_profile
+
+    x = torch.randn(64, 64)
+    found = device_profile(lambda: x @ x, calls=2)
+    assert found == {"device_busy_seconds": 0.0, "launches_per_call": 0.0, "top_kernels": []}
