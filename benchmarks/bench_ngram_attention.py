@@ -115,7 +115,7 @@ if os.environ.get("ICRL_BENCH_FULL", "0") == "1":
 else:
     CROSSOVER_SHAPES = [Shape(B=2, L=L, D=32, vocab=81, n=2) for L in (32, 96)]
 
-# Tiled vs sort on the GPU around the estimated TILED_MAX_LENGTH (512 in fp32, 1024 in half precision), at
+# Tiled vs sort on the GPU around TILED_MAX_LENGTH (2048, measured on an H200; first estimated 512-1024), at
 # The target width and at N-Gram AD's training shape (batch 32, d_model 64, n = 1 and 2); smoke: two tiny
 # lengths for the interpreter.
 TILED_CROSSOVER_SHAPES = select_shapes(

@@ -10,6 +10,7 @@ command with room to copy the files back)::
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline     # ~4-5 min on an H200
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages full-ngram,full-infonce
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages parity:240,train:160   # own limit per stage
     PYTHONPATH=. python3 benchmarks/gpu_check.py --list                     # stages, commands, estimates
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --dry-run             # CPU rehearsal of every stage
 
@@ -19,11 +20,14 @@ Stages (in order; ``--stages all`` runs them all):
 ``env``    nvidia-smi, Python / torch / triton / CUDA versions, SMs and L2, and the two ceilings measured
            on the device: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul peak
 ``parity`` the CUDA tests (``pytest -m gpu tests``, one pytest-xdist worker per core up to 16 where
-           installed; 2-4 min on an H200's 16 cores), then compute-sanitizer memcheck on a few
-           edge-case tests of every kernel. Give it ~5 minutes for the memcheck to run too
+           installed; 232 s for 350 tests on an H200's 16 cores), then compute-sanitizer memcheck on a
+           few edge-case tests of every kernel (34 tests in one process, ~45 s). Give it ~5 minutes
 ``configs`` every autotune config of every kernel forced once against the reference
            (``tests/test_autotune_configs.py``)
 ``headline`` one benchmark case per target (docs/performance.md) (``pytest -m headline``) and its summary table
+``profile`` our headline cases again, each followed by 5 calls under ``torch.profiler``: device-busy time
+           per call against the median (kernel- or host-bound), launches per call, the longest kernels
+``ngram-crossover`` the tiled against the sort n-gram kernels over ``L`` (``TILED_MAX_LENGTH``'s data)
 ``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
            ``--backend reference``: steps per second, and whether the loss falls
 ``full-*`` the remaining benchmarks (``-m "not headline"``), one slice per op so each fits a command
@@ -468,10 +472,8 @@ def _full_stage(name: str, files: list[str], expression: str | None) -> Callable
 
 STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
     "env": (stage_env, "~1 min: versions, nvidia-smi, a 1 GiB copy and an 8192^3 bf16 matmul, 10 each"),
-    "parity": (stage_parity, "~4-6 min (on an H200 the suite took 126 s once and did not end within 195 s "
-               "the next time): the ~400 CUDA tests (-m gpu) whose cost is Triton "
-               "compiles (~500 specialisations x configs at ~1-2 s each, one xdist worker per core); "
-               "memcheck on ~40 edge tests"),
+    "parity": (stage_parity, "~5 min (measured on an H200: the ~350 CUDA tests (-m gpu) in 232 s, 16 xdist "
+               "workers, their cost mostly Triton compiles; memcheck on 34 edge tests in one process ~45 s)"),
     "configs": (stage_configs, "~2-4 min (estimate): one compile (~1-2 s) + one fwd/bwd per config of every "
                 "autotuned kernel"),
     "headline": (stage_headline, "~4-5 min (measured on an H200: 36 cases in 166 s, then 24 in 106 s): ~1 s "

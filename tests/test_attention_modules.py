@@ -110,6 +110,22 @@ def test_fused_projection_equals_separate_gate_linear(backend, bias, gate, separ
         assert layer.qkv.weight.grad[72:].abs().sum() > 0 and gate_bias_grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize(("d_model", "heads"), [(24, 3), (768, 12), (64, 8)], ids=["75-rows", "gpt2-small", "aligned"])
+def test_fused_projection_views_have_aligned_strides(d_model, heads):
+    """q, k, v and the gate logits are views of one projection whose row stride is a multiple of
+    PROJECTION_ALIGNMENT elements (what cuBLAS's Hopper GEMMs and SDPA's fast kernels need), however many
+    gate rows ``3D + H`` has."""
+    from icrl_kernels.modules.moa_attention import PROJECTION_ALIGNMENT
+
+    layer = MoAAttention(d_model, heads, gate="softmax", backend="eager")
+    q, k, v, logits = layer.project_with_gate(torch.randn(2, 5, d_model))
+    row_stride = logits.stride(1)
+    assert row_stride % PROJECTION_ALIGNMENT == 0 and row_stride >= 3 * d_model + heads
+    assert row_stride - (3 * d_model + heads) < PROJECTION_ALIGNMENT  # no more padding than needed
+    assert all(t.stride(2) == row_stride and t.stride(3) == 1 for t in (q, k, v))
+    assert q.data_ptr() == logits.data_ptr() - 3 * d_model * logits.element_size()  # one buffer
+
+
 def test_gate_input_that_is_x_takes_the_fused_projection():
     torch.manual_seed(4)
     layer = MoAAttention(16, 4, gate="softmax", backend="eager")

@@ -175,7 +175,7 @@ def test_non_finite_h_reaches_only_matching_rows(backend, algorithm, chunk, valu
         out = ngram_attention(h_dev, ids.to(device), 1, backend=backend, algorithm=algorithm).cpu()
         grad_out = torch.randn(out.shape, generator=gen)
         grad_out[b, t + 1, 4] = value  # and one in the gradient
-        (grad,) = torch.autograd.grad(out, h_dev, grad_out.to(device))
+        (grad,) = torch.autograd.grad(out, h_dev, grad_out)  # out is on the CPU already
     affected = torch.zeros_like(pattern[:, :, t])
     affected[b] = pattern[b, :, t]
     assert affected.any()

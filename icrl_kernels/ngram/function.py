@@ -103,33 +103,25 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
 ALGORITHMS = ("auto", "sort", "tiled")
 
 #: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
-#: is the tiled kernel, beyond it the sort path. ESTIMATES for an H100, not measurements: the one GPU
-#: run so far (H200) measured only L = 4096, where the sort path was 4.6-5x faster than the tiled
-#: kernel (1.7-1.8 ms against 8.3-8.4 ms, fp32, B = 16, D = 512): the order predicted below, but the
-#: sort path took several times the estimate below (not yet profiled);
-#: ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over
-#: ``L`` in fp32 and bf16 (``test_ngram_tiled_crossover``); set these from where they cross.
+#: is the tiled kernel, beyond it the sort path, from where the two crossed on a GPU.
+#: ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over ``L`` in
+#: fp32 and bf16 (``test_ngram_tiled_crossover``; ``gpu_check.py --stages ngram-crossover``).
 #:
-#: The arithmetic (B = 8, D = 512, n = 2, fwd + bwd; H100 SXM at ~1.75 GHz: 132 SMs x 64 int32 lanes
-#: = 15e12 integer ops/s, x 128 fp32 lanes = 30e12 FMA/s, ~600e12 FLOP/s for Triton's bf16 dots,
-#: ~3e12 B/s of HBM):
+#: Measured (NVIDIA H200, torch 2.11 + Triton 3.6, 2026-11-26, one run of ``test_ngram_tiled_crossover``
+#: with ``ICRL_BENCH_SECONDS=0.3``; ``benchmarks/results/gpu-2026-11-26-h200-profile.md``), fwd + bwd ms,
+#: tiled / sort:
 #:
-#: * tiled, bf16/fp16: ``B L^2`` pattern elements (half of ``L^2`` in each of the two kernels), each
-#:   costing ~3n + 2 = 8 integer ops per column block of ``D`` (2 blocks of 256) = ``128 L^2`` ops,
-#:   ~0.9e-11 L^2 s; and 1.5 ``B L^2 D`` MACs (the backward has two dots) = ``12288 L^2`` FLOPs,
-#:   ~2.0e-11 L^2 s; ~3e-11 L^2 s with partial overlap, plus two launches (~10 us) and ``4 B L D s``
-#:   bytes (~11 us at L = 1024). L = 1024: ~50 us; L = 2048: ~140 us.
-#: * tiled, fp32: the dots are IEEE fp32 on the FMA units, not tensor cores: ``B L^2 D`` = ``4096 L^2``
-#:   FMAs at ~70 % of 30e12/s = ~2e-10 L^2 s. L = 512: ~65 us; L = 1024: ~220 us.
-#: * sort path: memory-bound (``4 B L D s`` bytes, twice over for its prefix-sum passes) plus a fixed
-#:   ~60-80 us of key packing, ``torch.sort`` and a dozen small launches: ~90 us (fp32) at L = 512,
-#:   ~100-120 us at L = 1024, ~120-160 us at L = 2048.
+#: * B = 8, D = 512, n = 2, fp32: L = 256 0.29 / 1.70, 512 0.32 / 2.06, 1024 0.56 / 2.06, 2048 1.40 / 1.71,
+#:   4096 4.47 / 2.07; bf16: 0.52 / 2.25, 0.27 / 1.93, 0.41 / 1.70, 0.72 / 2.01, 4096 1.66 / 1.61.
+#: * B = 32, D = 64, n = 1 and 2 (N-Gram AD's training shape), both dtypes: tiled 0.26-1.00 ms against
+#:   sort 1.38-1.83 ms at every L from 256 to 2048.
 #:
-#: So fp32 crosses between 512 and 1024 and half precision between 1024 and 2048; each value below is
-#: the lower end, where the estimate still favours the tiled kernel with a margin. At N-Gram AD's
-#: D = 64, B = 32 the fp32 crossover lands in the same bracket (``B D`` is half as large, the sort's
-#: fixed cost the same).
-TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 512, torch.float16: 1024, torch.bfloat16: 1024}
+#: The sort path costs ~1.7 ms at every length: it is host-bound (66 launches per fwd + bwd; at B = 16,
+#: L = 4096 its kernels keep the device busy 0.45-0.5 ms of the 1.8-2.0 ms, measured with torch.profiler),
+#: so the tiled kernel wins up to L = 2048 in both dtypes and loses (fp32) or ties (bf16) at 4096. fp16
+#: was not measured; it takes bf16's value (the same tensor-core dots). When the sort path's launch
+#: overhead shrinks, this crossover moves down: re-measure it then.
+TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 2048, torch.float16: 2048, torch.bfloat16: 2048}
 
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
 #: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it; up to
