@@ -292,6 +292,13 @@ def load(path: Path) -> dict:
         return json.load(handle)
 
 
+def merge(paths: list[Path]) -> dict:
+    """Several ``--benchmark-json`` files of one session as one: the first file's run information
+    (machine, commit, date) and every file's benchmarks, in order."""
+    runs = [load(path) for path in paths]
+    return {**runs[0], "benchmarks": [bench for run in runs for bench in run["benchmarks"]]}
+
+
 def backend_of(bench: dict) -> str:
     info = bench.get("extra_info", {})
     return next((str(info[key]) for key in BACKEND_KEYS if key in info), "-")
@@ -641,8 +648,9 @@ def profile_table(data: dict) -> list[str]:
     return ["## Where the time goes (torch.profiler, per call)", ""] + _table(columns, rows) + [""]
 
 
-def summarize(path: Path) -> str:
-    data = load(path)
+def summarize(path: Path | dict) -> str:
+    """Markdown for a ``--benchmark-json`` file (or its loaded/merged content)."""
+    data = path if isinstance(path, dict) else load(path)
     all_sections = sections(data)
     lines = header(data) + [""] + target_summary(all_sections)
     for section in all_sections.values():
@@ -653,10 +661,20 @@ def summarize(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("json", type=Path, help="a file written by pytest --benchmark-json")
+    parser.add_argument(
+        "json",
+        type=Path,
+        nargs="+",
+        help="files written by pytest --benchmark-json (several: "
+        "one table over all their benchmarks, the first file's run information)",
+    )
+    parser.add_argument("--merged", type=Path, help="also write the merged JSON of several files here")
     parser.add_argument("-o", "--output", type=Path, help="write the markdown here instead of stdout")
     args = parser.parse_args(argv)
-    text = summarize(args.json)
+    data = merge(args.json)
+    if args.merged:
+        args.merged.write_text(json.dumps(data, indent=1))
+    text = summarize(data)
     if args.output:
         args.output.write_text(text)
     else:

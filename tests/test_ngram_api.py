@@ -95,8 +95,9 @@ def test_int32_ids_accepted():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck(impl):
     h, ids = _inputs(length=21, dim=6)
-    perm, meta, count = _ngram_plan_op(ids, 2)
-    torch.library.opcheck(_ngram_plan_op, (ids, 2))
+    use_kernels = impl == "triton"
+    perm, meta, count = _ngram_plan_op(ids, 2, use_kernels)
+    torch.library.opcheck(_ngram_plan_op, (ids, 2, use_kernels))
     torch.library.opcheck(ngram_attention_op, (h.requires_grad_(True), perm, meta, count, impl))
     torch.library.opcheck(ngram_attention_backward_op, (torch.randn_like(h), perm, meta, count, impl))
 

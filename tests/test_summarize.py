@@ -279,3 +279,19 @@ def test_device_profile_runs_without_cuda_work():
     x = torch.randn(64, 64)
     found = device_profile(lambda: x @ x, calls=2)
     assert found == {"device_busy_seconds": 0.0, "launches_per_call": 0.0, "top_kernels": []}
+
+
+def test_several_files_merge_into_one_summary(results_path, tmp_path):
+    data = fake_results()
+    first, second = dict(data, benchmarks=data["benchmarks"][:7]), dict(data, benchmarks=data["benchmarks"][7:])
+    first["commit_info"] = {"id": "aaaaaaaaaa", "dirty": False}
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, (first, second)):
+        path.write_text(json.dumps(part))
+    merged_path, out = tmp_path / "merged.json", tmp_path / "merged.md"
+    summarize.main([*map(str, paths), "--merged", str(merged_path), "-o", str(out)])
+    merged = json.loads(merged_path.read_text())
+    assert merged["benchmarks"] == data["benchmarks"] and merged["commit_info"]["id"] == "aaaaaaaaaa"
+    # The same tables as the single file's, but the header's commit (the first file's).
+    whole = summarize.summarize(results_path)
+    assert out.read_text() == whole.replace("commit 0123456 (uncommitted changes)", "commit aaaaaaa")

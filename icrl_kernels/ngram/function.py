@@ -231,7 +231,7 @@ def ngram_attention(
         if algorithm == "tiled":
             return ngram_attention_tiled_op(h, ids, n)[0]
     if plan is None:
-        perm, meta, count = _ngram_plan_op(ids, n)
+        perm, meta, count = _ngram_plan_op(ids, n, impl == "triton")
     else:
         perm, meta, count = plan
     return ngram_attention_op(h, perm, meta, count, impl)

@@ -179,11 +179,17 @@ def build_ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     return NGramPlan(perm, meta, count, ids=ids, n=n)
 
 
-def _ngram_plan(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ngram_plan(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tensors: from the Triton plan kernels when ``use_kernels`` (the Triton backend: five
+    launches instead of ~40, :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
+    if use_kernels:
+        from .plan_kernels import build_ngram_plan_triton  # needs triton: imported only here
+
+        return build_ngram_plan_triton(ids, n)
     return tuple(build_ngram_plan(ids, n))
 
 
-def _ngram_plan_fake(ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         ids.new_empty(ids.shape, dtype=torch.int64),
         ids.new_empty(ids.shape, dtype=torch.uint8),
@@ -200,8 +206,10 @@ def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     Computing a plan costs one sort of ``B x L`` keys; layers that share ids and ``n`` can share it
     through ``ngram_attention(..., plan=plan)``.
     """
+    from .._backend import resolve_backend
     from .function import validate_ids_and_n
 
     original_ids = ids
     ids, n = validate_ids_and_n(ids, n)
-    return NGramPlan(*_ngram_plan_op(ids, n), ids=original_ids, n=n)
+    use_kernels = resolve_backend("auto", ids.device) == "triton"
+    return NGramPlan(*_ngram_plan_op(ids, n, use_kernels), ids=original_ids, n=n)
