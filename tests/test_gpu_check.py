@@ -56,6 +56,16 @@ def test_sanitizer_selection_is_one_run_over_every_file():
     assert selection[-1].count("and cuda") == len(gpu_check.SANITIZER_SELECTION)
 
 
+def test_profile_files_hold_every_headline_benchmark_of_ours():
+    from pathlib import Path
+
+    root = Path(gpu_check.ROOT)
+    assert all((root / path).is_file() for path in gpu_check.PROFILE_FILES)
+    ours = {"bench_ngram_attention", "bench_moa", "bench_smeared_keys", "bench_inject_layer_norm", "bench_infonce",
+            "bench_looped"}  # fmt: skip
+    assert {Path(path).stem for path in gpu_check.PROFILE_FILES} == ours
+
+
 def test_every_full_slice_names_existing_benchmark_files():
     from pathlib import Path
 
