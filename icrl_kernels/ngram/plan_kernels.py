@@ -34,16 +34,12 @@ import triton.language as tl
 
 from .._library import empty_output
 from .._triton import launch
+from .kernels import _max_combine
 from .plan import _DTYPE_VOCAB, _KEY_LIMIT, PREVIOUS_ADJACENT, SEGMENT_START, VALID_NGRAM, build_ngram_plan
 
 #: Positions per tile of every plan kernel (one program walks a row in tiles of this many).
 PLAN_BLOCK_L = 1024
 _PLAN_WARPS = 4
-
-
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
