@@ -15,7 +15,7 @@ import torch
 
 import icrl_kernels as ik
 from icrl_kernels import _library
-from icrl_kernels.testing import fast_impls
+from icrl_kernels.testing import fast_impls, triton_devices
 
 IMPLS = fast_impls()
 
@@ -356,3 +356,21 @@ def test_registration_choice():
 
     if triton_interpreter_enabled():
         assert not _library.uses_triton_op(True)
+
+
+@pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1 (the Triton path on CPU tensors)")
+def test_triton_host_overhead_measure_counts_launches_and_restores_them():
+    """``benchmarks/dispatch_overhead.py --triton-host``: every op's Triton path runs with its kernels
+    stubbed (launches counted, nothing executed), and the real launches and value checks are back after."""
+    from benchmarks import dispatch_overhead
+    from icrl_kernels import _triton
+    from icrl_kernels.ngram import kernels as ngram_kernels
+
+    checks = ik.value_checks()
+    rows = {row["op"]: row for row in dispatch_overhead.triton_host_rows(repeats=1)}
+    assert set(rows) == set(dispatch_overhead._cases())
+    for name, row in rows.items():
+        assert row["triton_launches"] >= 1 and row["triton_host_us"] > 0, name
+    # int64 ids, n = 2: the plan's rank, key and meta kernels and the forward and backward kernels.
+    assert rows["ngram_attention (sort path)"]["triton_launches"] == 5
+    assert ngram_kernels.launch is _triton.launch and ik.value_checks() == checks
