@@ -484,7 +484,8 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
             if curve is None:
                 continue
             mean, std = np.asarray(curve["mean"]), np.asarray(curve["std"])
-            axis.plot(x, mean, label=f"{label} ({len(curve['seeds'])} seeds)")
+            marker = "o" if config.runs <= 32 else None  # a curve of one assignment is a single point
+            axis.plot(x, mean, marker=marker, label=f"{label} ({len(curve['seeds'])} seeds)")
             axis.fill_between(x, mean - std, mean + std, alpha=0.25)
         if config.runs >= 32:  # the paper's hundreds of assignments: the first few matter most
             axis.set_xscale("log")
