@@ -145,12 +145,17 @@ class MoAAttention(nn.Module):
             return None
         return self.qkv_gate_bias if self.qkv_gate_bias is not None else self.qkv.bias[3 * self.d_model :]
 
-    def _projection_bias(self) -> torch.Tensor | None:
-        """The bias of the whole ``[q | k | v | gate]`` projection (``[3D + H]``, ``[3D]`` or ``None``)."""
+    def _projection_bias(self, padding: int = 0) -> torch.Tensor | None:
+        """The bias of the whole ``[q | k | v | gate]`` projection followed by ``padding`` zeros
+        (``[3D + H + padding]``), or ``None`` without any bias."""
         if self.qkv_gate_bias is None:
-            return self.qkv.bias
-        # bias=False: zeros for q, k, v (3D + H elements built per call, negligible next to the GEMM).
-        return torch.cat([self.qkv_gate_bias.new_zeros(3 * self.d_model), self.qkv_gate_bias])
+            bias = self.qkv.bias
+            return F.pad(bias, (0, padding)) if bias is not None and padding else bias
+        # bias=False: zeros for q, k, v (and the padding), built per call, negligible next to the GEMM.
+        qkv_zeros, padding_zeros = self.qkv_gate_bias.new_zeros(3 * self.d_model + padding).split(
+            [3 * self.d_model, padding]
+        )
+        return torch.cat([qkv_zeros, self.qkv_gate_bias, padding_zeros])
 
     def gate_logits(self, gate_input: torch.Tensor) -> torch.Tensor | None:
         """Gate logits ``gate_input @ W_g^T + b_g``, ``[B, L, H]``, for a gate input ``[B, L, D]``;
@@ -173,12 +178,10 @@ class MoAAttention(nn.Module):
         if self.gate is None:
             return (*self._split_heads(self.qkv(x)), None)
         if gate_input is None or gate_input is x:
-            weight, bias = self.qkv.weight, self._projection_bias()
-            rows = d3 + self.n_heads
-            padding = -rows % PROJECTION_ALIGNMENT
-            if padding:  # zero rows: aligned strides for cuBLAS and SDPA (PROJECTION_ALIGNMENT)
-                weight = F.pad(weight, (0, 0, 0, padding))
-                bias = None if bias is None else F.pad(bias, (0, padding))
+            padding = -(d3 + self.n_heads) % PROJECTION_ALIGNMENT
+            # zero rows: aligned strides for cuBLAS and SDPA (PROJECTION_ALIGNMENT)
+            weight = F.pad(self.qkv.weight, (0, 0, 0, padding)) if padding else self.qkv.weight
+            bias = self._projection_bias(padding)
             # split (not slicing twice): its backward writes all four gradients into one buffer.
             projected = F.linear(x, weight, bias)
             q, k, v, logits, _ = projected.split([self.d_model] * 3 + [self.n_heads, padding], dim=-1)
