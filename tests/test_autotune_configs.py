@@ -34,7 +34,13 @@ from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel mo
 )
 from icrl_kernels._triton import autotune_configs, autotuned_kernels, config_name, kernel_name  # noqa: E402
 from icrl_kernels.contrastive import action_logits_reference  # noqa: E402
-from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, forced_config, triton_devices  # noqa: E402
+from icrl_kernels.testing import (  # noqa: E402
+    RMS_TOLERANCE,
+    assert_close_rel,
+    forced_config,
+    relative_rms_error,
+    triton_devices,
+)
 
 #: fp32 and bf16 take different code paths (FMA vs tensor-core dots, 16- vs 128-action InfoNCE tiles);
 #: fp16 takes bf16's on every kernel. Under the interpreter bf16 dots are upcast, but the loads, casts
@@ -145,12 +151,20 @@ def check_gated_attention(device: str, dtype: torch.dtype) -> None:
         refs = [t.detach().float().requires_grad_(True) for t in leaves]
         out = gated_attention(*leaves[:4], gate=gate, smear_alpha=alpha, backend="triton")
         ref = gated_attention_reference(*refs[:4], gate=gate, smear_alpha=refs[4] if smear else None)
-        assert_close_rel(out, ref, rms_tol=tol, name=f"{gate} output")
         grad_out = torch.randn(ref.shape, generator=gen).to(device, dtype)
         grads = torch.autograd.grad(out, leaves, grad_out)
         grads_ref = torch.autograd.grad(ref, refs, grad_out.float())
-        for name, grad, grad_ref in zip(("q", "k", "v", "gate_logits", "smear_alpha"), grads, grads_ref):
-            assert_close_rel(grad, grad_ref, rms_tol=tol, name=f"{gate} grad {name}")
+        names = ("output", *(f"grad {name}" for name in ("q", "k", "v", "gate_logits", "smear_alpha")))
+        pairs = list(zip(names, (out, *grads), (ref, *grads_ref)))
+        # Every error first (a failure shows them all in the captured output), next to PyTorch's own path in
+        # the same dtype (SDPA and the eager gate) on the same inputs: the rounding a bf16 user already gets.
+        eager = gated_attention(*leaves[:4], gate=gate, smear_alpha=alpha, backend="eager")
+        eager_values = (eager, *torch.autograd.grad(eager, leaves, grad_out))
+        for (name, actual, expected), baseline in zip(pairs, eager_values):
+            print(f"{gate} {name}: relative RMS error {relative_rms_error(actual, expected):.3e} "
+                  f"(PyTorch {dtype}: {relative_rms_error(baseline, expected):.3e})")  # fmt: skip
+        for name, actual, expected in pairs:
+            assert_close_rel(actual, expected, rms_tol=tol, name=f"{gate} {name}")
 
 
 #: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
