@@ -28,6 +28,7 @@ are about, changes nothing; instead ``summarize.py`` shows a roofline fraction a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -293,7 +294,9 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
     the achieved bytes/s and FLOP/s; on CUDA also the peak memory over the timed calls (inputs
     included), the copy bandwidth, both matmul peaks, the L2 size, the roofline bound in seconds
     (``roofline_seconds``), which term binds (``roofline_bound``: ``"bytes"`` or ``"flops"``) and
-    ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit).
+    ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit), and ``autotune``: every
+    config the warm-up calls timed, per newly tuned kernel and key
+    (:func:`icrl_kernels._triton.recorded_autotuning`).
     """
 
     def run(
@@ -317,8 +320,11 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
         if benchmark.disabled:
             benchmark(call)  # --benchmark-disable: a smoke run that only checks the benchmark executes
             return
-        for _ in range(warmup):
-            call()
+        with _recorded_autotuning(device) as tuned:
+            for _ in range(warmup):
+                call()
+        if tuned:
+            benchmark.extra_info["autotune"] = tuned
         rounds = _choose_rounds(call, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -336,6 +342,18 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
                     benchmark.extra_info["profile_error"] = f"{type(error).__name__}: {error}"[:300]
 
     return run
+
+
+def _recorded_autotuning(device: torch.device):
+    """On CUDA, :func:`icrl_kernels._triton.recorded_autotuning` (the timing of every config the warm-up
+    calls tune); elsewhere, or without Triton, an empty list."""
+    if device.type != "cuda":
+        return contextlib.nullcontext([])
+    try:
+        from icrl_kernels._triton import recorded_autotuning
+    except ImportError:
+        return contextlib.nullcontext([])
+    return recorded_autotuning()
 
 
 @pytest.fixture

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ NOT_SHAPE = {
     "launches_per_call",
     "top_kernels",
     "profile_error",
+    "autotune",
 }
 
 #: The roofline target of every op: measured time at most this many times the roofline bound.
@@ -648,6 +650,31 @@ def profile_table(data: dict) -> list[str]:
     return ["## Where the time goes (torch.profiler, per call)", ""] + _table(columns, rows) + [""]
 
 
+def autotune_table(data: dict) -> list[str]:
+    """Every config the autotuner timed, per kernel and key (``extra_info["autotune"]``, recorded on CUDA by
+    the benchmarks' warm-up calls): the best config, its time, and each config's time as a multiple of the
+    best (``x`` marks the best; ``-`` a config that failed to compile or ran out of resources). A key tuned
+    by several cases is listed once, with the first case that tuned it."""
+    rows, seen = [], set()
+    for bench in data["benchmarks"]:
+        for record in bench.get("extra_info", {}).get("autotune", []):
+            if (record["kernel"], record["key"]) in seen:
+                continue
+            seen.add((record["kernel"], record["key"]))
+            timings = record["timings_ms"]
+            best = timings.get(record["best"])
+            cells = []
+            for name, ms in timings.items():
+                relative = "-" if not math.isfinite(ms) else "x" if name == record["best"] else f"{ms / best:.2f}"
+                cells.append(f"{name} {relative}")
+            best_text = f"{best:.3f}" if best is not None and math.isfinite(best) else "-"
+            rows.append([record["kernel"], bench["name"], record["key"], record["best"], best_text, "; ".join(cells)])
+    if not rows:
+        return []
+    columns = ["kernel", "first case", "key", "best config", "best ms", "every config (time / best)"]
+    return ["## Autotuning (every config timed, per kernel and key)", ""] + _table(columns, rows) + [""]
+
+
 def summarize(path: Path | dict) -> str:
     """Markdown for a ``--benchmark-json`` file (or its loaded/merged content)."""
     data = path if isinstance(path, dict) else load(path)
@@ -656,6 +683,7 @@ def summarize(path: Path | dict) -> str:
     for section in all_sections.values():
         lines += section_tables(section)
     lines += profile_table(data)
+    lines += autotune_table(data)
     return "\n".join(lines).rstrip() + "\n"
 
 

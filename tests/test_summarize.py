@@ -7,6 +7,7 @@ block-mask build) benchmarks, the crossover lines, and the command line.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -261,6 +262,62 @@ def test_profile_table_reports_busy_fraction_and_longest_kernels(tmp_path):
 
 def test_profile_table_absent_without_profiled_cases(results_path):
     assert "Where the time goes" not in summarize.summarize(results_path)
+
+
+def test_autotune_table_lists_every_config_against_the_best(tmp_path):
+    data = fake_results()
+    record = {"kernel": "infonce_grad_pred", "key": "(512, 4096, 'torch.bfloat16')", "best": "BLOCK_N64-w8",
+              "timings_ms": {"BLOCK_N32-w8": 3.0, "BLOCK_N64-w8": 2.0, "BLOCK_N128-w8": float("inf")}}  # fmt: skip
+    data["benchmarks"][0]["extra_info"]["autotune"] = [record]
+    data["benchmarks"][1]["extra_info"]["autotune"] = [dict(record, timings_ms={"BLOCK_N32-w8": 9.0})]  # same key
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(data))
+    text = summarize.summarize(path)
+    table = text.split("## Autotuning")[1]
+    rows = [line for line in table.splitlines() if "infonce_grad_pred" in line]
+    assert len(rows) == 1, "a key tuned by two cases is listed once"
+    assert data["benchmarks"][0]["name"] in rows[0]
+    assert "| BLOCK_N64-w8 | 2.000 | BLOCK_N32-w8 1.50; BLOCK_N64-w8 x; BLOCK_N128-w8 - |" in rows[0]
+    assert "autotune" not in text.split("## Autotuning")[0], "the records are measurements, not shape columns"
+
+
+def test_autotune_table_absent_without_records(results_path):
+    assert "## Autotuning" not in summarize.summarize(results_path)
+
+
+def test_recorded_autotuning_keeps_each_new_key_and_restores_run():
+    pytest.importorskip("triton")
+    from icrl_kernels._triton import recorded_autotuning
+
+    class FakeAutotuner:  # the parts of triton's Autotuner the recorder reads (a GPU is needed to tune for real)
+        def __init__(self):
+            self.cache, self.configs_timings = {}, {}
+            self.fn = SimpleNamespace(fn=self._ngram_forward_kernel)  # Autotuner -> JITFunction -> function
+
+        @staticmethod
+        def _ngram_forward_kernel():
+            pass
+
+        def run(self, *args, key, **kwargs):
+            if key not in self.cache:
+                fast, slow = Config({"BLOCK_L": 64}, num_warps=4), Config({"BLOCK_L": 128}, num_warps=8)
+                self.configs_timings = {fast: [1.0, 0.9, 1.1], slow: [2.5, 2.4, 2.6]}
+                self.cache[key] = fast
+            return "launched"
+
+    from triton import Config
+
+    kernel = FakeAutotuner()
+    with recorded_autotuning([kernel]) as records:
+        assert kernel.run(key=("a",)) == "launched"
+        kernel.run(key=("a",))  # cached: not tuned again, not recorded again
+        kernel.run(key=("b",))
+    assert [r["key"] for r in records] == ["('a',)", "('b',)"]
+    assert records[0] == {"kernel": "ngram_forward", "key": "('a',)", "best": "BLOCK_L64-w4",
+                          "timings_ms": {"BLOCK_L64-w4": 1.0, "BLOCK_L128-w8": 2.5}}  # fmt: skip
+    assert "run" not in vars(kernel), "the wrapper is removed after the block"
+    kernel.run(key=("c",))
+    assert len(records) == 2
 
 
 def test_union_of_device_intervals():
