@@ -16,7 +16,9 @@ from icrl_models.experiments.ngram_ad import (
     compare,
     emp_over_seeds,
     expected_max_performance,
+    sample_assignment,
 )
+from icrl_models.train import TrainConfig
 
 # A tiny model and evaluation: every trial trains a few steps and rolls out 2 episodes on 2 held-out tasks,
 # one trial after another in this process (Ray Tune sweeps have their own test, test_sweep.py).
@@ -84,6 +86,7 @@ def test_flags_win_over_the_preset_and_no_preset_keeps_one_setting_one_seed():
         (dict(num_histories=(0,)), "num_histories must be distinct ints >= 1"),
         (dict(num_train_tasks=()), "num_train_tasks must be distinct ints >= 1"),
         (dict(eval_tasks=-1), "eval_tasks must be >= 0"),
+        (dict(hyperparameters="grid"), "hyperparameters must be one of"),
         (dict(preset="goals", steps=0), "steps must be >= 1"),
     ],
 )
@@ -132,6 +135,31 @@ def test_goals_sweep_end_to_end_writes_the_files(tmp_path, capsys):
     trial_rows = markdown.split("## Trials")[1].strip().splitlines()[2:]
     assert len(trial_rows) == 16 and all(row.endswith("| trained |") for row in trial_rows)
     assert "## Dark Room: 10 training goals" in capsys.readouterr().out
+
+
+def test_default_hyperparameters_train_once_per_model_setting_and_seed(tmp_path):
+    config = CompareConfig(preset="goals", num_train_tasks=(10, 20), num_histories=(6,), seeds=(0, 1),
+                           out_dir=str(tmp_path), hyperparameters="defaults", **TINY)  # fmt: skip
+    assert config.runs == 1, "one fixed assignment: more runs would repeat the same training"
+    trials = build_trials(config)
+    assert len(trials) == 2 * 2 * 2 and all(t.assignment == {} for t in trials)
+    table1_fields = sample_assignment(np.random.default_rng(0))
+    for trial in trials:  # every Table 1 field keeps icrl-train's default
+        assert {name: getattr(trial.config, name) for name in table1_fields} == {
+            name: getattr(TrainConfig(), name) for name in table1_fields
+        }
+    result = compare(config, command="icrl-compare --preset goals --hyperparameters defaults (test)")
+    assert sorted(p.name for p in tmp_path.glob("ngram-ad-goals*")) == [
+        "ngram-ad-goals-defaults.json", "ngram-ad-goals-defaults.md", "ngram-ad-goals-defaults.png"
+    ]  # fmt: skip
+    assert (tmp_path / "ngram-ad-goals-defaults.png").read_bytes()[:4] == b"\x89PNG"
+    markdown = (tmp_path / "ngram-ad-goals-defaults.md").read_text()
+    assert "with icrl-train's default hyperparameters" in markdown and "| icrl-train defaults |" in markdown
+    for setting in result["settings"]:
+        for model in ("ad", "ngram_ad"):
+            scores = [t["score"] for t in result["trials"]
+                      if t["model"] == model and t["num_train_tasks"] == setting["num_train_tasks"]]  # fmt: skip
+            assert setting["expected_max_performance"][model]["mean"] == [pytest.approx(np.mean(scores))]
 
 
 def test_finished_trials_are_not_trained_again(tmp_path, monkeypatch):

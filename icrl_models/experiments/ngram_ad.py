@@ -21,6 +21,11 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   where the evaluation summary holds it, for the model and for Q-learning.
 * **Expected Max Performance** (Dodge et al., 2019): the expected best score after ``n`` assignments,
   per (setting, seed, model), then mean ± sample sd over seeds per ``n``.
+* **Fixed hyperparameters** (``--hyperparameters defaults``, not the paper's protocol): instead of Table 1
+  draws, both models train once per (setting, seed) with ``icrl-train``'s defaults (the main job's
+  hyperparameters). At CPU size a few random draws mostly land where neither model learns in 2500 steps,
+  so this isolates the data-budget question (how many training goals each model needs) from the search;
+  results go to ``<stem>-defaults.*``, and the plot shows the score against the data budget.
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
@@ -101,6 +106,10 @@ DEFAULTS: dict = dict(env="dark_room", num_train_tasks=None, num_histories=(1000
                       d_model=64, num_heads=4, num_layers=2, batch_size=32, out_dir="runs/compare")  # fmt: skip
 RESULT_STEMS = {"goals": "ngram-ad-goals", "goals-paper": "ngram-ad-goals", "key-to-door": "key-to-door",
                 "key-to-door-paper": "key-to-door"}  # fmt: skip
+
+
+#: ``--hyperparameters``: Table 1 draws (the paper's random search), or one fixed assignment, the defaults.
+HYPERPARAMETERS = ("table1", "defaults")
 
 
 def expected_max_performance(scores, max_assignments: int | None = None) -> np.ndarray:
@@ -194,6 +203,12 @@ class CompareConfig(SweepOptions):
     eval_episodes: int | None = _field("eval_episodes", "in-context episodes per evaluation rollout")
     eval_envs_per_task: int | None = _field("eval_envs_per_task", "evaluation rollouts per held-out task")
     out_dir: str | None = _field("out_dir", "output folder")
+    hyperparameters: str = dataclasses.field(
+        default="table1",
+        metadata={"help": "table1: runs random draws from the paper's Table 1 per setting and seed (Expected Max "
+                  "Performance); defaults: one run per model, setting and seed with icrl-train's defaults "
+                  "(runs is set to 1)"},
+    )  # fmt: skip
     ngram_sizes: tuple[int, ...] = (1, 2)
     backend: str = dataclasses.field(default="auto", metadata={"help": "n-gram kernels (see icrl-train)"})
     progress: bool = True
@@ -207,6 +222,10 @@ class CompareConfig(SweepOptions):
         for name, value in DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
+        if self.hyperparameters not in HYPERPARAMETERS:
+            raise ValueError(f"hyperparameters must be one of {HYPERPARAMETERS}, got {self.hyperparameters!r}")
+        if self.hyperparameters == "defaults":
+            self.runs = 1  # one fixed assignment: more runs would repeat the same training
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         for name in ("num_train_tasks", "num_histories", "seeds"):
             value = getattr(self, name)
@@ -232,7 +251,8 @@ class CompareConfig(SweepOptions):
         return list(itertools.product(self.num_train_tasks or (None,), self.num_histories))
 
     def result_stem(self) -> str:
-        return RESULT_STEMS.get(self.preset, "compare")
+        stem = RESULT_STEMS.get(self.preset, "compare")
+        return stem if self.hyperparameters == "table1" else f"{stem}-{self.hyperparameters}"
 
 
 @dataclass
@@ -256,8 +276,11 @@ def _setting_folder(out: Path, config: CompareConfig, setting: tuple[int | None,
     return out / f"goals{goals}-histories{setting[1]}" / f"seed{seed}"
 
 
-def draw_assignments(seeds: Sequence[int], runs: int) -> dict[int, list[dict]]:
-    """seed -> ``runs`` Table 1 draws from ``np.random.default_rng(seed)`` (the same for both models)."""
+def draw_assignments(seeds: Sequence[int], runs: int, hyperparameters: str = "table1") -> dict[int, list[dict]]:
+    """seed -> ``runs`` Table 1 draws from ``np.random.default_rng(seed)`` (the same for both models); with
+    ``hyperparameters="defaults"``, one empty assignment per seed (every field keeps ``TrainConfig``'s default)."""
+    if hyperparameters == "defaults":
+        return {seed: [{}] for seed in seeds}
     draws = {}
     for seed in seeds:
         rng = np.random.default_rng(seed)
@@ -271,7 +294,7 @@ def build_trials(config: CompareConfig) -> list[Trial]:
     Generates nothing: each trial's ``config.data`` names the ``train.icrl`` of its (setting, seed), which
     :func:`prepare_data` writes. A seed draws the same assignments in every setting."""
     out = Path(config.out_dir)
-    draws = draw_assignments(config.seeds, config.runs)
+    draws = draw_assignments(config.seeds, config.runs, config.hyperparameters)
     trials = []
     for setting in config.settings():
         for seed in config.seeds:
@@ -376,7 +399,7 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     outcomes = run_trials([trial.config for trial in trials], run_trial, sweep_options(config),
                           name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
     result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
-    draws = draw_assignments(config.seeds, config.runs)
+    draws = draw_assignments(config.seeds, config.runs, config.hyperparameters)
     result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
     if len(result["settings"]) == 1 and len(config.seeds) == 1:  # the single-sweep fields of earlier versions
         only = result["settings"][0]["expected_max_performance"]
@@ -388,7 +411,8 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     # Without a preset the table goes to stdout only (no .md), as before.
     write_results(out, stem, result, None if config.preset is None else tables + "\n\n" + trial_table(result),
                   command=command)  # fmt: skip
-    plot_emp(config, result, out / f"{stem}.png")
+    plot = plot_emp if config.hyperparameters == "table1" else plot_against_budget
+    plot(config, result, out / f"{stem}.png")
     print(tables + "\n\n" + trial_table(result))  # every trial's config, score and status (trained / reused)
     return result
 
@@ -405,6 +429,18 @@ def _setting_title(config: CompareConfig, setting: dict) -> str:
     return f"{env}:{goals} {setting['num_histories']} histories"
 
 
+def _score_caption(config: CompareConfig) -> str:
+    if config.hyperparameters == "defaults":
+        return (
+            f"Fraction of the source's final return with icrl-train's default hyperparameters ({config.steps} "
+            "steps a run, one run per model and seed), mean ± sd over seeds:"
+        )
+    return (
+        f"Expected max fraction of the source's final return after n assignments ({config.steps} steps a run), "
+        "mean ± sd over seeds:"
+    )
+
+
 def markdown_tables(config: CompareConfig, result: dict) -> str:
     """Per setting: EMP at n = 1, 2, 4, ... runs (mean ± sd over seeds), the best single run, the source's numbers."""
     parts = []
@@ -413,8 +449,7 @@ def markdown_tables(config: CompareConfig, result: dict) -> str:
         seeds = ", ".join(map(str, setting["seeds"]))
         lines = [
             f"## {_setting_title(config, setting)} (seeds {seeds})", "",
-            f"Expected max fraction of the source's final return after n assignments ({config.steps} steps a run), "
-            "mean ± sd over seeds:", "",
+            _score_caption(config), "",
             "| assignments | " + " | ".join(MODELS.values()) + " |", "|---|" + "---|" * len(MODELS),
         ]  # fmt: skip
         for n in _emp_rows(config.runs):
@@ -448,6 +483,8 @@ def markdown_tables(config: CompareConfig, result: dict) -> str:
 
 
 def _short(assignment: dict) -> str:
+    if not assignment:
+        return "icrl-train defaults"
     a = assignment
     return (f"seq {a['seq_len']}, pre-norm {int(a['pre_norm'])}, qk-norm {int(a['qk_norm'])}, "
             f"ls {a['label_smoothing']:.2f}, lr {a['learning_rate']:.1e}, wd {a['weight_decay']:.1e}, "
@@ -499,6 +536,40 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
     for axis in list(axes.flat)[len(settings) :]:
         axis.set_visible(False)
     figure.suptitle(f"AD vs N-Gram AD, {config.steps} steps per run (mean ± sd over seeds)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
+    """Fixed hyperparameters: each model's score against the data budget that varies (training goals, else
+    histories), mean ± sd over seeds with every seed's score as a dot; the random policy is not drawn (its
+    fraction is in each run's evaluation)."""
+    plt = pyplot()
+
+    settings = result["settings"]
+    by_goals = len({s["train_goals"] for s in settings}) > 1
+    key, label = ("train_goals", "training goals") if by_goals else ("num_histories", "learning histories")
+    x = [s[key] for s in settings]
+    figure, axis = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    spread = float(np.diff(x).min()) if len(x) > 1 else 1.0
+    for offset, (model, name) in zip((-0.1, 0.1), MODELS.items()):
+        curves = [setting["expected_max_performance"][model] for setting in settings]
+        means = [np.nan if curve is None else curve["mean"][0] for curve in curves]
+        stds = [np.nan if curve is None else curve["std"][0] for curve in curves]
+        seeds = max((len(curve["seeds"]) for curve in curves if curve is not None), default=0)
+        line = axis.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=f"{name} ({seeds} seeds)")
+        for position, curve in zip(x, curves):  # each seed's score, beside the mean
+            scores = [] if curve is None else [values[0] for values in curve["per_seed"].values()]
+            axis.scatter([position + offset * spread] * len(scores), scores, s=12, alpha=0.6,
+                         color=line.lines[0].get_color())  # fmt: skip
+    axis.set_xticks(x)
+    axis.set_xlabel(label)
+    axis.set_ylabel("fraction of the source's final return")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    env = ENV_TITLES.get(config.env, config.env)
+    axis.set_title(f"{env}: AD vs N-Gram AD, default hyperparameters, {config.steps} steps", fontsize=9)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
