@@ -132,6 +132,11 @@ def test_goals_sweep_end_to_end_writes_the_files(tmp_path, capsys):
     assert "## Dark Room: 10 training goals, 6 histories (seeds 0, 1)" in markdown
     assert "## Dark Room: 20 training goals, 6 histories (seeds 0, 1)" in markdown
     assert "| 2 | " in markdown and "(n=2)" in markdown and "Best single run" in markdown
+    for setting in result["settings"]:  # the random policy's level: every trial's, averaged per seed, then over seeds
+        per_seed = [np.mean([t["random_score"] for t in result["trials"] if t["seed"] == seed
+                             and t["num_train_tasks"] == setting["num_train_tasks"]]) for seed in (0, 1)]  # fmt: skip
+        assert setting["source"]["random_score"]["mean"] == pytest.approx(np.mean(per_seed))
+    assert "The random policy there: " in markdown
     trial_rows = markdown.split("## Trials")[1].strip().splitlines()[2:]
     assert len(trial_rows) == 16 and all(row.endswith("| trained |") for row in trial_rows)
     assert "## Dark Room: 10 training goals" in capsys.readouterr().out

@@ -341,8 +341,11 @@ def run_trial(config: TrainConfig) -> dict:
     "summary"}``."""
     finished = (Path(config.out_dir) / "eval.json").exists()  # written only by a run's final evaluation
     summary = train(config)
+    source, random = summary["source_final_return"], summary.get("random_final_return")
     return {
         "score": _number(summary["fraction_of_source"]),
+        # The random policy on the same held-out tasks, on the score's scale: the floor a run is judged against.
+        "random_score": _number(random / source) if random is not None and source else None,
         "success_rate": _number(summary.get("final_success_rate")),
         "source_final_return": _number(summary["source_final_return"]),
         "source_success_rate": _number(summary.get("source_final_success_rate")),
@@ -374,6 +377,13 @@ def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[d
             per_seed = [next(r[key] for r in rows if r["seed"] == seed) for seed in config.seeds]
             per_seed = [value for value in per_seed if value is not None]
             source[key] = seed_stats(per_seed) if per_seed else None
+        # Every trial's evaluation also rolls the random policy out: the mean per seed, then over seeds.
+        random_per_seed = []
+        for seed in config.seeds:
+            values = [r["random_score"] for r in rows if r["seed"] == seed and r.get("random_score") is not None]
+            if values:
+                random_per_seed.append(float(np.mean(values)))
+        source["random_score"] = seed_stats(random_per_seed) if random_per_seed else None
         goals = setting[0] if setting[0] is not None else DEFAULT_NUM_TRAIN_TASKS.get(config.env)
         settings.append({
             "num_train_tasks": setting[0], "train_goals": goals, "num_histories": setting[1],
@@ -478,6 +488,9 @@ def markdown_tables(config: CompareConfig, result: dict) -> str:
             if source["source_success_rate"] is not None:
                 text += f", success rate {format_stats(source['source_success_rate'])}"
             lines += ["", text + "."]
+        if source.get("random_score") is not None:
+            random = format_stats(source["random_score"])
+            lines += ["", f"The random policy there: {random} of the source's final return."]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -524,6 +537,10 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
             marker = "o" if config.runs <= 32 else None  # a curve of one assignment is a single point
             axis.plot(x, mean, marker=marker, label=f"{label} ({len(curve['seeds'])} seeds)")
             axis.fill_between(x, mean - std, mean + std, alpha=0.25)
+        random = setting["source"].get("random_score")
+        if random is not None:
+            axis.axhline(random["mean"], color="gray", linestyle="--", linewidth=1, label="random policy")
+        axis.set_ylim(0, max(1.0, axis.get_ylim()[1]))  # 0 to the source: scores at the floor must look like it
         if config.runs >= 32:  # the paper's hundreds of assignments: the first few matter most
             axis.set_xscale("log")
         else:
@@ -543,8 +560,7 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
 
 def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
     """Fixed hyperparameters: each model's score against the data budget that varies (training goals, else
-    histories), mean ± sd over seeds with every seed's score as a dot; the random policy is not drawn (its
-    fraction is in each run's evaluation)."""
+    histories), mean ± sd over seeds with every seed's score as a dot, and the random policy's level."""
     plt = pyplot()
 
     settings = result["settings"]
@@ -563,6 +579,10 @@ def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None
             scores = [] if curve is None else [values[0] for values in curve["per_seed"].values()]
             axis.scatter([position + offset * spread] * len(scores), scores, s=12, alpha=0.6,
                          color=line.lines[0].get_color())  # fmt: skip
+    randoms = [s["source"].get("random_score") for s in settings]
+    if all(random is not None for random in randoms):
+        axis.plot(x, [random["mean"] for random in randoms], color="gray", linestyle="--", label="random policy")
+    axis.set_ylim(0, max(1.0, axis.get_ylim()[1]))
     axis.set_xticks(x)
     axis.set_xlabel(label)
     axis.set_ylabel("fraction of the source's final return")
