@@ -294,6 +294,10 @@ def test_ablations_command_end_to_end(tmp_path, capsys):
     table = (out / "headless-ablations.md").read_text()
     assert table.startswith("Command: `icrl-headless --ablations preset")
     assert table.count("| no action-set prompt |") == 2 and "gap" in capsys.readouterr().out
+    reward_use = results["ablations"]["preset"]["reward_use"]
+    assert set(reward_use) == {"loss", "shuffled_loss", "gap"}
+    assert reward_use["gap"] == pytest.approx(reward_use["shuffled_loss"] - reward_use["loss"])
+    assert f"| {reward_use['gap']:+.3f} |" in table
     assert len(list((out / "ablations").iterdir())) == 2
     # A rerun trains nothing and evaluates nothing: the scores are kept beside each run.
     import icrl_models.experiments.headless_ad as experiments
@@ -311,8 +315,8 @@ def test_ablations_command_end_to_end(tmp_path, capsys):
         experiments._BANDIT_BASE.clear()
         experiments._BANDIT_BASE.update(original)
     rerun = json.loads((out / "headless-ablations.json").read_text())["ablations"]
-    assert {name: entry["scores"] for name, entry in rerun.items()} == {
-        name: entry["scores"] for name, entry in results["ablations"].items()
+    assert {name: (entry["scores"], entry["reward_use"]) for name, entry in rerun.items()} == {
+        name: (entry["scores"], entry["reward_use"]) for name, entry in results["ablations"].items()
     }
 
 

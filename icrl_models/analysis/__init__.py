@@ -1,4 +1,5 @@
-"""Analysis tools for trained models: induction heads (TransformerLens conventions), head ablation, Markov heads."""
+"""Analysis tools for trained models: induction heads (TransformerLens conventions), head ablation, Markov heads, and
+whether an in-context RL model uses the rewards in its context."""
 
 from .induction import (
     AttentionSite,
@@ -27,10 +28,12 @@ from .markov import (
     markov_ratio,
     qk_products,
 )
+from .reward_use import RewardDependence, reward_dependence, shuffle_rewards, step_losses
 
 __all__ = [
     "AttentionSite",
     "MarkovReport",
+    "RewardDependence",
     "ablate_heads",
     "attention_sites",
     "capture_attention",
@@ -50,6 +53,9 @@ __all__ = [
     "qk_products",
     "repeat_scores",
     "repeated_random_tokens",
+    "reward_dependence",
     "scores_by_site",
+    "shuffle_rewards",
+    "step_losses",
     "uniform_causal_pattern",
 ]

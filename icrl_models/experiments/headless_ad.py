@@ -36,9 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .._cli import command_line
+from ..analysis import reward_dependence
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..data import HistoryWindows, generate_histories, local_action_batch
 from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 from .harness import (
     cached_dataset,
@@ -89,6 +92,9 @@ ABLATIONS: dict[str, dict] = {
     "learning rate 3e-4": {"learning_rate": 3e-4},
     "4000 steps": {"steps": 4000},
     "separate action/reward/state tokens (paper)": {"step_tokens": "separate"},
+    # Separate tokens at 2 layers learn to ignore the rewards (see reward use): does a third layer, room
+    # for a previous-token head that joins each reward to its action, let them read the rewards?
+    "separate tokens, 3 layers": {"step_tokens": "separate", "num_layers": 3},
 }
 #: Arm counts the ablations are scored on (uniform means): the training counts, then more arms.
 ABLATION_ARMS = ("4-20", "20", "50")
@@ -286,12 +292,38 @@ def _ablation_trial(train_config: TrainConfig, *, config: HeadlessExperimentConf
            "eval_seeds": list(config.eval_seeds), "eval_tasks": config.eval_tasks}  # fmt: skip
     cache = Path(train_config.out_dir) / "ablation-scores.json"
     cached = json.loads(cache.read_text()) if cache.exists() else {}
-    if cached.get("key") == key:
-        rows = cached["scores"]
-    else:
-        rows = _score_ablation(train_config, config, resolve_device(config.device, 0))
-        cache.write_text(json.dumps({"key": key, "scores": rows}, indent=1))
-    return {"scores": rows, "seconds": round(time.perf_counter() - start, 1)}
+    if cached.get("key") != key:
+        cached = {"key": key}
+    device = resolve_device(config.device, 0)
+    if "scores" not in cached:
+        cached["scores"] = _score_ablation(train_config, config, device)
+    if "reward_use" not in cached:  # scores kept from before reward use was measured are reused
+        cached["reward_use"] = _reward_use(train_config, config, device)
+    cache.write_text(json.dumps(cached, indent=1))
+    rows, reward_use = cached["scores"], cached["reward_use"]
+    return {"scores": rows, "reward_use": reward_use, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _reward_use(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:
+    """Does the variant read the rewards? Teacher-forced loss on ``config.eval_tasks`` fresh Thompson-sampling
+    histories of the training distribution, with the true and with shuffled rewards
+    (:func:`~icrl_models.analysis.reward_dependence`): ``{"loss", "shuffled_loss", "gap"}`` in nats."""
+    model, _ = load_trained(train_config, device)
+    generate = dataclasses.replace(
+        train_config.generate_config("test", config.eval_tasks, 1),
+        distribution=train_config.distribution or "train",
+        num_arms=train_config.num_arms,
+    )
+    windows = HistoryWindows(generate_histories(generate, progress=False), train_config.seq_len)
+    batch = local_action_batch(windows.get_batch(np.arange(min(len(windows), config.eval_tasks))))
+    batch = {name: value.to(device) for name, value in batch.items()}
+    reading = reward_dependence(model, batch, generator=torch.Generator(device).manual_seed(config.seed))
+    steps = reading.steps.double()
+
+    def mean(losses: torch.Tensor) -> float:  # over every step of every history
+        return float((torch.nan_to_num(losses) * steps).sum() / steps.sum())
+
+    return {"loss": mean(reading.loss), "shuffled_loss": mean(reading.shuffled_loss), "gap": reading.gap}
 
 
 def _score_ablation(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:
@@ -320,16 +352,20 @@ def ablations_table(results: dict) -> str:
         f"Normalised score on uniform Bernoulli bandits (0 random, 1 Thompson sampling), mean ± sd over "
         f"{len(seeds)} evaluation seeds ({results['config']['eval_tasks']} bandits each); one training seed "
         f"({results['config']['seed']}). Temperature: sampling temperature as a fraction of the model's tau. "
-        "Gap: 50 arms minus 4-20 arms.",
+        "Gap: 50 arms minus 4-20 arms. Reward use: how much the teacher-forced loss on fresh Thompson-sampling "
+        "histories rises (nats a step) when the rewards are shuffled within each history; ~0: the model ignores "
+        "rewards and imitates action frequencies (`icrl_models.analysis.reward_dependence`).",
         "",
-        f"| ablation | temperature | {' | '.join(f'{a} arms' for a in arms)} | gap |",
-        "|---|---|" + "---|" * (len(arms) + 1),
+        f"| ablation | temperature | {' | '.join(f'{a} arms' for a in arms)} | gap | reward use |",
+        "|---|---|" + "---|" * (len(arms) + 2),
     ]
     for name, entry in results["ablations"].items():
+        reward_use = entry.get("reward_use")  # absent from results written before it was measured
+        use = "n/a" if reward_use is None else f"{reward_use['gap']:+.3f}"
         for fraction, row in entry["scores"].items():
             cells = [f"{row[a]['mean']:.2f} ± {row[a]['std']:.2f}" for a in arms]
             gap = row["50"]["mean"] - row["4-20"]["mean"]
-            lines.append(f"| {name} | {fraction} | {' | '.join(cells)} | {gap:+.2f} |")
+            lines.append(f"| {name} | {fraction} | {' | '.join(cells)} | {gap:+.2f} | {use} |")
     return "\n".join(lines)
 
 

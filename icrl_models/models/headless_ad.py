@@ -27,8 +27,11 @@ previous action's embedding (zeros before the first action) and the previous rew
 projected. ``"separate"``, as the paper's code: three tokens per step, the previous action, the previous
 reward and the state, in that order, each embedded on its own; positions count tokens, and the action is
 read at the state token. Three times the tokens: about 3x the MLP and 9x the attention work.
-Experimental: in the one CPU run (Bernoulli, 1500 steps) it reached the joint model's training loss but
-scored about 0 in rollouts; not yet understood (see the ablations in ``benchmarks/results/README.md``).
+Experimental: at the CPU preset's size (Bernoulli, 2 blocks, 1500 steps) it predicts Thompson sampling's
+actions as well as the joint model (teacher-forced) but ignores the rewards: shuffling them changes its
+loss by ~0 nats (:func:`icrl_models.analysis.reward_dependence`), so it imitates its context's action
+frequencies, and in a rollout it reinforces its own first random pulls and scores at the random level
+(see the ablations in ``benchmarks/results/README.md``).
 """
 
 from __future__ import annotations
