@@ -94,7 +94,7 @@ ABLATIONS: dict[str, dict] = {
     "separate action/reward/state tokens (paper)": {"step_tokens": "separate"},
     # Separate tokens at 2 layers learn to ignore the rewards (see reward use): does a third layer, room
     # for a previous-token head that joins each reward to its action, let them read the rewards?
-    "separate tokens, 3 layers": {"step_tokens": "separate", "num_layers": 3},
+    "separate tokens with 3 layers": {"step_tokens": "separate", "num_layers": 3},
 }
 #: Arm counts the ablations are scored on (uniform means): the training counts, then more arms.
 ABLATION_ARMS = ("4-20", "20", "50")
