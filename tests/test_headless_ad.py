@@ -201,6 +201,10 @@ def test_headless_experiment_end_to_end(tmp_path, capsys):
     assert ad_scores["uniform, 50 arms"] is None and ad_scores["uniform, 4-20 arms"] is not None
     assert all(v is not None for v in results["models"]["headless_ad"]["scores"].values())
     assert (out / "headless.png").stat().st_size > 0 and "n/a" in (out / "headless.md").read_text()
+    for name in ("headless_ad", "ad"):  # both models' reward use, also for AD's head
+        use = results["models"][name]["reward_use"]
+        assert use["gap"] == pytest.approx(use["shuffled_loss"] - use["loss"])
+        assert f"{use['gap']:+.3f} nats" in (out / "headless.md").read_text()
     assert "normalised score" in capsys.readouterr().out
     lines = (out / "headless.md").read_text().splitlines()
     assert lines[0] == "Command: `icrl-headless " + " ".join(argv) + "`" and lines[2].startswith("Machine: ")
@@ -220,6 +224,16 @@ def test_experiment_config_errors():
         HeadlessExperimentConfig(ablations=("preset",), select_temperatures=(0.0,))
     assert HeadlessExperimentConfig(ablations=("all",)).ablations == tuple(ABLATIONS)
     assert callable(run_experiment)
+
+
+def test_every_ablation_name_survives_the_command_line():
+    """List options also read comma-separated values (older command lines): a name with a comma would be split."""
+    from icrl_models.config import add_config_arguments, config_from_args, make_parser
+
+    parser = make_parser("icrl-headless", "")
+    add_config_arguments(parser, HeadlessExperimentConfig)
+    config = config_from_args(HeadlessExperimentConfig, parser.parse_args(["--ablations", *ABLATIONS]))
+    assert config.ablations == tuple(ABLATIONS)
 
 
 def test_step_tokens_and_select_tau_errors():

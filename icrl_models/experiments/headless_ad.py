@@ -242,8 +242,14 @@ def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = No
                 continue
             report = run_evaluation(model, eval_config, histories, seed=config.seed + 1)
             scores[set_name] = report.summary
+        reward_use = (
+            None
+            if config.experiment == "darkroom"
+            else _reward_use(train_config, config, resolve_device(config.device, 0))
+        )
         results["models"][name] = {
             "scores": scores,
+            "reward_use": reward_use,
             "train_seconds": round(train_seconds, 1),
             "total_seconds": round(time.perf_counter() - start, 1),
         }
@@ -305,15 +311,14 @@ def _ablation_trial(train_config: TrainConfig, *, config: HeadlessExperimentConf
 
 
 def _reward_use(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:
-    """Does the variant read the rewards? Teacher-forced loss on ``config.eval_tasks`` fresh Thompson-sampling
-    histories of the training distribution, with the true and with shuffled rewards
+    """Does the (bandit) model read the rewards? Teacher-forced loss on ``config.eval_tasks`` fresh histories of
+    the source algorithm on the training distribution, with the true and with shuffled rewards
     (:func:`~icrl_models.analysis.reward_dependence`): ``{"loss", "shuffled_loss", "gap"}`` in nats."""
     model, _ = load_trained(train_config, device)
-    generate = dataclasses.replace(
-        train_config.generate_config("test", config.eval_tasks, 1),
-        distribution=train_config.distribution or "train",
-        num_arms=train_config.num_arms,
-    )
+    generate = train_config.generate_config("test", config.eval_tasks, 1)  # the test split's seed stream
+    generate = dataclasses.replace(generate, num_arms=train_config.num_arms)
+    if train_config.env == "bernoulli_bandit":
+        generate = dataclasses.replace(generate, distribution=train_config.distribution or "train")
     windows = HistoryWindows(generate_histories(generate, progress=False), train_config.seq_len)
     batch = local_action_batch(windows.get_batch(np.arange(min(len(windows), config.eval_tasks))))
     batch = {name: value.to(device) for name, value in batch.items()}
@@ -385,6 +390,10 @@ def results_table(results: dict) -> str:
             summary = results["models"][name]["scores"].get(set_name)
             cells.append("n/a" if summary is None else f"{_metric(summary, experiment):.2f}")
         lines.append(f"| {set_name} | {' | '.join(cells)} |")
+    if experiment != "darkroom":  # how much the teacher-forced loss rises when the rewards are shuffled
+        uses = [results["models"][n].get("reward_use") for n in names]
+        cells = ["n/a" if use is None else f"{use['gap']:+.3f} nats" for use in uses]
+        lines.append(f"| reward use (shuffled - true loss) | {' | '.join(cells)} |")
     times = " | ".join(f"{results['models'][n]['total_seconds']:.0f} s" for n in names)
     lines.append(f"| wall time (train + eval) | {times} |")
     return f"{metric}\n\n" + "\n".join(lines)
