@@ -36,12 +36,25 @@ class RewardDependence:
     shuffled_loss: torch.Tensor
     steps: torch.Tensor
 
+    def _mean(self, per_step: torch.Tensor) -> float:
+        """Mean of a per-step quantity over every step of every sequence (steps no sequence has weigh 0)."""
+        weights = self.steps.double()
+        return float((torch.nan_to_num(per_step) * weights).sum() / weights.sum())
+
+    @property
+    def mean_loss(self) -> float:
+        """Loss with the true rewards, averaged over every step of every sequence."""
+        return self._mean(self.loss)
+
+    @property
+    def mean_shuffled_loss(self) -> float:
+        """Loss with the shuffled rewards, averaged over every step of every sequence."""
+        return self._mean(self.shuffled_loss)
+
     @property
     def gap(self) -> float:
         """Mean over all steps of (shuffled - true) loss, in nats: ~0 for a model that ignores rewards."""
-        weights = self.steps.double()
-        difference = torch.nan_to_num(self.shuffled_loss - self.loss)
-        return float((difference * weights).sum() / weights.sum())
+        return self._mean(self.shuffled_loss - self.loss)
 
 
 def _check_batch(batch) -> None:

@@ -323,12 +323,7 @@ def _reward_use(train_config: TrainConfig, config: HeadlessExperimentConfig, dev
     batch = local_action_batch(windows.get_batch(np.arange(min(len(windows), config.eval_tasks))))
     batch = {name: value.to(device) for name, value in batch.items()}
     reading = reward_dependence(model, batch, generator=torch.Generator(device).manual_seed(config.seed))
-    steps = reading.steps.double()
-
-    def mean(losses: torch.Tensor) -> float:  # over every step of every history
-        return float((torch.nan_to_num(losses) * steps).sum() / steps.sum())
-
-    return {"loss": mean(reading.loss), "shuffled_loss": mean(reading.shuffled_loss), "gap": reading.gap}
+    return {"loss": reading.mean_loss, "shuffled_loss": reading.mean_shuffled_loss, "gap": reading.gap}
 
 
 def _score_ablation(train_config: TrainConfig, config: HeadlessExperimentConfig, device) -> dict:
