@@ -12,6 +12,7 @@ from icrl_models.config import add_config_arguments, config_from_args, make_pars
 from icrl_models.experiments.ngram_ad import (
     PRESETS,
     CompareConfig,
+    _best_run_success,
     build_trials,
     compare,
     emp_over_seeds,
@@ -165,6 +166,34 @@ def test_default_hyperparameters_train_once_per_model_setting_and_seed(tmp_path)
             scores = [t["score"] for t in result["trials"]
                       if t["model"] == model and t["num_train_tasks"] == setting["num_train_tasks"]]  # fmt: skip
             assert setting["expected_max_performance"][model]["mean"] == [pytest.approx(np.mean(scores))]
+
+
+def test_success_rate_is_each_seeds_best_run_hand_worked():
+    def row(seed, model, score, success):
+        return {"seed": seed, "model": model, "score": score, "success_rate": success}
+
+    rows = [row(0, "ad", 0.2, 0.1), row(0, "ad", 0.5, 0.3),  # seed 0: the 0.5 run is best, success 0.3
+            row(1, "ad", 0.4, 0.0), row(1, "ad", None, 1.0),  # seed 1: an unscored run never counts
+            row(0, "ngram_ad", 0.9, None), row(1, "ngram_ad", 0.8, None)]  # fmt: skip
+    stats = _best_run_success(rows, (0, 1), "ad")
+    assert stats["values"] == [0.3, 0.0] and stats["mean"] == pytest.approx(0.15)
+    assert stats["std"] == pytest.approx(0.3 / np.sqrt(2))
+    assert _best_run_success(rows, (0, 1), "ngram_ad") is None, "Dark Room has no success rate"
+    assert _best_run_success(rows, (2,), "ad") is None
+
+
+def test_key_to_door_with_default_hyperparameters_reports_success_rates(tmp_path):
+    config = CompareConfig(preset="key-to-door", num_histories=(4, 6), seeds=(0, 1), out_dir=str(tmp_path),
+                           hyperparameters="defaults", **{**TINY, "eval_episodes": 1})  # fmt: skip
+    result = compare(config, command="icrl-compare --preset key-to-door --hyperparameters defaults (test)")
+    for setting in result["settings"]:
+        for model in ("ad", "ngram_ad"):
+            per_run = [t["success_rate"] for t in result["trials"]
+                       if t["model"] == model and t["num_histories"] == setting["num_histories"]]  # fmt: skip
+            assert len(per_run) == 2 and setting["success_rate"][model]["values"] == per_run
+    markdown = (tmp_path / "key-to-door-defaults.md").read_text()
+    assert markdown.count("Success rate (final episodes that solve the task) of each run") == 2
+    assert (tmp_path / "key-to-door-defaults.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_finished_trials_are_not_trained_again(tmp_path, monkeypatch):

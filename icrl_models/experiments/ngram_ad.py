@@ -17,15 +17,17 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   finished run is not trained again, so a killed sweep resumes where it stopped.
 * **Score.** A trial's score is its final in-context return on held-out goals as a fraction of the
   source algorithm's final return on the same goals (``fraction_of_source``). Key-to-Door's return is
-  0, 1 (key) or 2 (key, then door); its success rate (episodes that reached the door) is reported
-  where the evaluation summary holds it, for the model and for Q-learning.
+  0, 1 (key) or 2 (key, then door); its success rate (final episodes that reached the door) is reported
+  where the evaluation summary holds it: per trial, for the model and for Q-learning, and per setting
+  as mean ± sd over seeds of each seed's best-scoring run (with fixed hyperparameters, its only run).
 * **Expected Max Performance** (Dodge et al., 2019): the expected best score after ``n`` assignments,
   per (setting, seed, model), then mean ± sample sd over seeds per ``n``.
 * **Fixed hyperparameters** (``--hyperparameters defaults``, not the paper's protocol): instead of Table 1
   draws, both models train once per (setting, seed) with ``icrl-train``'s defaults (the main job's
   hyperparameters). At CPU size a few random draws mostly land where neither model learns in 2500 steps,
   so this isolates the data-budget question (how many training goals each model needs) from the search;
-  results go to ``<stem>-defaults.*``, and the plot shows the score against the data budget.
+  results go to ``<stem>-defaults.*``, and the plot shows the score against the data budget (and, for
+  Key-to-Door, the success rate beside Q-learning's in a second panel).
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
@@ -36,11 +38,12 @@ and its 500 (Dark Room) / 400 (Key-to-Door) assignments. The paper does not stat
 model width or depth; those presets keep this project's model (width 64, 4 heads, 2 attention blocks).
 
 Outputs in ``out_dir``: ``<stem>.json`` (the command line, the machine, every trial, EMP per seed and
-over seeds), ``<stem>.md`` (per setting: EMP at n = 1, 2, 4, ... runs, the best single run, the source's
-numbers; then one row per trial) and ``<stem>.png`` (one panel per setting: EMP against assignments,
-mean line and a ± sd band over seeds). The stem is ``ngram-ad-goals`` for the goals presets and
-``key-to-door`` for the Key-to-Door presets. Without ``--preset`` (one setting, one seed by default)
-the command writes ``compare.json`` and ``compare.png`` and prints its table.
+over seeds), ``<stem>.md`` (per setting: EMP at n = 1, 2, 4, ... runs, each model's success rate where
+the environment has one, the best single run, the source's numbers; then one row per trial) and
+``<stem>.png`` (one panel per setting: EMP against assignments, mean line and a ± sd band over seeds).
+The stem is ``ngram-ad-goals`` for the goals presets and ``key-to-door`` for the Key-to-Door presets.
+Without ``--preset`` (one setting, one seed by default) the command writes ``compare.json`` and
+``compare.png`` and prints its table.
 """
 
 from __future__ import annotations
@@ -355,8 +358,21 @@ def run_trial(config: TrainConfig) -> dict:
     }
 
 
+def _best_run_success(rows: Sequence[dict], seeds: Sequence[int], model: str) -> dict | None:
+    """``model``'s success rate over ``seeds`` (:func:`seed_stats`): per seed, that of the seed's best-scoring
+    run among ``rows`` (with fixed hyperparameters, its only run). ``None`` where no run has a success rate
+    (an environment without one, such as Dark Room) or none scored."""
+    per_seed = []
+    for seed in seeds:
+        scored = [r for r in rows if r["seed"] == seed and r["model"] == model and r["score"] is not None]
+        if scored and (best := max(scored, key=lambda r: r["score"]))["success_rate"] is not None:
+            per_seed.append(best["success_rate"])
+    return seed_stats(per_seed) if per_seed else None
+
+
 def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[dict]) -> dict:
-    """The results: one record per trial, and per setting EMP per seed and over seeds."""
+    """The results: one record per trial, and per setting EMP per seed and over seeds, and each model's
+    success rate over seeds where the environment has one (:func:`_best_run_success`)."""
     records = [
         {"num_train_tasks": t.setting[0], "num_histories": t.setting[1], "seed": t.seed, "model": t.model,
          "index": t.index, "assignment": t.assignment, "out_dir": t.config.out_dir,
@@ -388,6 +404,7 @@ def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[d
         settings.append({
             "num_train_tasks": setting[0], "train_goals": goals, "num_histories": setting[1],
             "seeds": list(config.seeds), "expected_max_performance": emp,
+            "success_rate": {model: _best_run_success(rows, config.seeds, model) for model in MODELS},
             "best": max(scored, key=lambda r: r["score"]) if scored else None, "source": source,
         })  # fmt: skip
     return {"settings": settings, "trials": records}
@@ -471,6 +488,12 @@ def markdown_tables(config: CompareConfig, result: dict) -> str:
                 cells.append(format_stats({"mean": curve["mean"][n - 1], "std": curve["std"][n - 1],
                                            "n": len(curve["seeds"])}))  # fmt: skip
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        success = setting.get("success_rate") or {}
+        if any(success.get(model) is not None for model in MODELS):
+            which = "each run" if config.hyperparameters == "defaults" else "each seed's best-scoring run"
+            cells = [format_stats(success[model]) if success.get(model) else "n/a" for model in MODELS]
+            lines += ["", f"Success rate (final episodes that solve the task) of {which}, mean ± sd over seeds: "
+                      + ", ".join(f"{name} {cell}" for name, cell in zip(MODELS.values(), cells)) + "."]  # fmt: skip
         best = setting["best"]
         if best is None:
             lines += ["", "Best single run: none scored (the source's final return was 0)."]
@@ -560,36 +583,64 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
 
 def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
     """Fixed hyperparameters: each model's score against the data budget that varies (training goals, else
-    histories), mean ± sd over seeds with every seed's score as a dot, and the random policy's level."""
+    histories), mean ± sd over seeds with every seed's score as a dot, and the random policy's level; where
+    the environment has a success rate (Key-to-Door), a second panel shows it the same way beside the
+    source algorithm's."""
     plt = pyplot()
 
     settings = result["settings"]
     by_goals = len({s["train_goals"] for s in settings}) > 1
     key, label = ("train_goals", "training goals") if by_goals else ("num_histories", "learning histories")
     x = [s[key] for s in settings]
-    figure, axis = plt.subplots(figsize=(5.5, 3.8), dpi=120)
+    with_success = any(s.get("success_rate", {}).get(model) for s in settings for model in MODELS)
+    figure, axes = plt.subplots(1, 2 if with_success else 1, figsize=(10 if with_success else 5.5, 3.8), dpi=120,
+                                squeeze=False)  # fmt: skip
     spread = float(np.diff(x).min()) if len(x) > 1 else 1.0
+
+    def draw(axis, per_setting: list[tuple[float, float, list[float]] | None], name: str, offset: float) -> None:
+        """One model: ``(mean, sd, per-seed values)`` per setting as a line with error bars and dots."""
+        means = [np.nan if cell is None else cell[0] for cell in per_setting]
+        stds = [np.nan if cell is None else cell[1] for cell in per_setting]
+        line = axis.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=name)
+        for position, cell in zip(x, per_setting):  # each seed's value, beside the mean
+            values = [] if cell is None else cell[2]
+            axis.scatter([position + offset * spread] * len(values), values, s=12, alpha=0.6,
+                         color=line.lines[0].get_color())  # fmt: skip
+
+    score_axis = axes[0][0]
     for offset, (model, name) in zip((-0.1, 0.1), MODELS.items()):
         curves = [setting["expected_max_performance"][model] for setting in settings]
-        means = [np.nan if curve is None else curve["mean"][0] for curve in curves]
-        stds = [np.nan if curve is None else curve["std"][0] for curve in curves]
         seeds = max((len(curve["seeds"]) for curve in curves if curve is not None), default=0)
-        line = axis.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=f"{name} ({seeds} seeds)")
-        for position, curve in zip(x, curves):  # each seed's score, beside the mean
-            scores = [] if curve is None else [values[0] for values in curve["per_seed"].values()]
-            axis.scatter([position + offset * spread] * len(scores), scores, s=12, alpha=0.6,
-                         color=line.lines[0].get_color())  # fmt: skip
+        cells = [None if curve is None else (curve["mean"][0], curve["std"][0],
+                                             [values[0] for values in curve["per_seed"].values()])
+                 for curve in curves]  # fmt: skip
+        draw(score_axis, cells, f"{name} ({seeds} seeds)", offset)
     randoms = [s["source"].get("random_score") for s in settings]
     if all(random is not None for random in randoms):
-        axis.plot(x, [random["mean"] for random in randoms], color="gray", linestyle="--", label="random policy")
-    axis.set_ylim(0, max(1.0, axis.get_ylim()[1]))
-    axis.set_xticks(x)
-    axis.set_xlabel(label)
-    axis.set_ylabel("fraction of the source's final return")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+        score_axis.plot(x, [random["mean"] for random in randoms], color="gray", linestyle="--",
+                        label="random policy")  # fmt: skip
+    score_axis.set_ylim(0, max(1.0, score_axis.get_ylim()[1]))
+    score_axis.set_ylabel("fraction of the source's final return")
     env = ENV_TITLES.get(config.env, config.env)
-    axis.set_title(f"{env}: AD vs N-Gram AD, default hyperparameters, {config.steps} steps", fontsize=9)
+    score_axis.set_title(f"{env}: AD vs N-Gram AD, default hyperparameters, {config.steps} steps", fontsize=9)
+    if with_success:
+        success_axis = axes[0][1]
+        for offset, (model, name) in zip((-0.1, 0.1), MODELS.items()):
+            stats = [s["success_rate"].get(model) for s in settings]
+            draw(success_axis, [None if st is None else (st["mean"], st["std"], st["values"]) for st in stats],
+                 name, offset)  # fmt: skip
+        sources = [s["source"].get("source_success_rate") for s in settings]
+        if all(source is not None for source in sources):
+            success_axis.plot(x, [source["mean"] for source in sources], color="black", linestyle=":",
+                              label="source algorithm")  # fmt: skip
+        success_axis.set_ylim(0, 1)
+        success_axis.set_ylabel("success rate of the final episodes")
+        success_axis.set_title(f"{env}: episodes that solve the task", fontsize=9)
+    for axis in axes[0]:
+        axis.set_xticks(x)
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
