@@ -55,6 +55,7 @@ def test_key_to_door_and_paper_presets():
     assert config.env == "key_to_door" and config.settings() == [(100, 500), (100, 750), (100, 1000)]
     assert config.result_stem() == "key-to-door"
     assert {t.config.episode_length for t in build_trials(config)} == {40}  # the paper's Appendix C
+    assert config.steps == 10_000, "at 2500 steps the Key-to-Door comparison came out reversed"
     for name, runs in (("goals-paper", 500), ("key-to-door-paper", 400)):
         paper = CompareConfig(preset=name)
         assert (
@@ -89,6 +90,9 @@ def test_flags_win_over_the_preset_and_no_preset_keeps_one_setting_one_seed():
         (dict(eval_tasks=-1), "eval_tasks must be >= 0"),
         (dict(hyperparameters="grid"), "hyperparameters must be one of"),
         (dict(preset="goals", steps=0), "steps must be >= 1"),
+        (dict(models=("ad", "dt")), "models must be distinct names from"),
+        (dict(models=("ad", "ad")), "models must be distinct names from"),
+        (dict(models=()), "models must be distinct names from"),
     ],
 )
 def test_bad_sweep_settings_name_the_field(kwargs, message):
@@ -166,6 +170,23 @@ def test_default_hyperparameters_train_once_per_model_setting_and_seed(tmp_path)
             scores = [t["score"] for t in result["trials"]
                       if t["model"] == model and t["num_train_tasks"] == setting["num_train_tasks"]]  # fmt: skip
             assert setting["expected_max_performance"][model]["mean"] == [pytest.approx(np.mean(scores))]
+
+
+def test_one_model_trains_alone_and_the_files_show_only_it(tmp_path):
+    parser = make_parser("icrl-compare", "")
+    add_config_arguments(parser, CompareConfig)
+    both = config_from_args(CompareConfig, parser.parse_args(["--models", "ngram_ad", "ad"]))
+    assert both.models == ("ad", "ngram_ad"), "AD first, as in every table"
+    config = CompareConfig(preset="key-to-door", num_histories=(4, 6), seeds=(0,), out_dir=str(tmp_path),
+                           hyperparameters="defaults", models=("ad",), **{**TINY, "eval_episodes": 1})  # fmt: skip
+    assert [t.model for t in build_trials(config)] == ["ad", "ad"]
+    result = compare(config, command="icrl-compare --preset key-to-door --hyperparameters defaults --models ad")
+    assert [t["model"] for t in result["trials"]] == ["ad", "ad"]
+    for setting in result["settings"]:
+        assert set(setting["expected_max_performance"]) == set(setting["success_rate"]) == {"ad"}
+    markdown = (tmp_path / "key-to-door-defaults.md").read_text()
+    assert "| assignments | AD |" in markdown and "N-Gram AD" not in markdown
+    assert (tmp_path / "key-to-door-defaults.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_success_rate_is_each_seeds_best_run_hand_worked():
