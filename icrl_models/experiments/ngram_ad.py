@@ -35,7 +35,7 @@ Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dar
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
 750 / 1000 histories, episodes of 40 steps, 3 seeds) are sized for a 2-core CPU (4 runs per setting and
 seed and a small evaluation; ``goals``: 2500 steps a run, where N-Gram AD's score had flattened, ~6-15
-CPU-hours in all; ``key-to-door``: the paper's 10k steps, since at 2500 the comparison came out different,
+CPU-hours in all; ``key-to-door``: the paper's 10k steps, since at 2500 N-Gram AD led where at 10k the two tie,
 ~20-60 CPU-hours; estimates); ``goals-paper`` and ``key-to-door-paper`` use the paper's 10K gradient steps
 per run and its 500 (Dark Room) / 400 (Key-to-Door) assignments. The paper does not state its model width
 or depth; those presets keep this project's model (width 64, 4 heads, 2 attention blocks).
