@@ -37,6 +37,21 @@ def test_junit_counts_name_failures_and_errors(tmp_path):
     assert gpu_check._junit_counts(tmp_path / "missing.xml")["tests"] == 0
 
 
+def test_captured_lines_keep_the_errors_of_passing_tests(tmp_path):
+    path = tmp_path / "report.xml"
+    path.write_text(
+        '<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">'
+        '<testcase classname="tests.t" name="test_pass[bf16]"><system-out>setup\n'
+        "softmax grad k: relative RMS error 2.900e-02 (PyTorch bf16: 4.0e-03)\n</system-out></testcase>"
+        '<testcase classname="tests.t" name="test_quiet"><system-out>nothing here</system-out></testcase>'
+        '<testcase classname="tests.t" name="test_silent"/></testsuite></testsuites>'
+    )
+    assert gpu_check._captured_lines(path, "relative RMS error") == {
+        "tests.t::test_pass[bf16]": ["softmax grad k: relative RMS error 2.900e-02 (PyTorch bf16: 4.0e-03)"]
+    }
+    assert gpu_check._captured_lines(tmp_path / "missing.xml", "error") == {}
+
+
 def test_parse_stages():
     assert gpu_check.parse_stages("all", 60) == [(name, 60) for name in gpu_check.STAGES]
     assert gpu_check.parse_stages("env, headline", 60) == [("env", 60), ("headline", 60)]
