@@ -170,3 +170,10 @@ def test_loss_trend_of_a_training_run(tmp_path):
     assert trend["rows"] == 10 and trend["steps_per_second"] == 9  # the median after the first (warm-up) row
     assert trend["loss_first"] == pytest.approx(1.7) and trend["loss_last"] == pytest.approx(1.2)
     assert trend["loss_falls"]
+
+
+def test_headline_files_take_every_benchmark_once_ours_first():
+    files = gpu_check.headline_files()
+    every_bench = {f"benchmarks/{path.name}" for path in (gpu_check.ROOT / "benchmarks").glob("bench_*.py")}
+    assert len(files) == len(set(files)) and set(files) == every_bench
+    assert files[: len(gpu_check.PROFILE_FILES)] == gpu_check.PROFILE_FILES

@@ -119,8 +119,17 @@ ALGORITHMS = ("auto", "sort", "tiled")
 #: The sort path costs ~1.7 ms at every length: it is host-bound (66 launches per fwd + bwd; at B = 16,
 #: L = 4096 its kernels keep the device busy 0.45-0.5 ms of the 1.8-2.0 ms, measured with torch.profiler),
 #: so the tiled kernel wins up to L = 2048 in both dtypes and loses (fp32) or ties (bf16) at 4096. fp16
-#: was not measured; it takes bf16's value (the same tensor-core dots). When the sort path's launch
-#: overhead shrinks, this crossover moves down: re-measure it then.
+#: was not measured; it takes bf16's value (the same tensor-core dots).
+#:
+#: Re-measured after the sort path's plan moved into Triton kernels (fewer launches), on an NVIDIA H100
+#: (2026-11-27, same benchmark; ``benchmarks/results/gpu-2026-11-27-h100/ngram-crossover.md``), fwd + bwd
+#: ms, tiled / sort: B = 8, D = 512, n = 2, fp32: L = 256 0.67 / 1.10, 512 0.80 / 1.76, 1024 0.71 / 1.69,
+#: 2048 1.39 / 1.61, 4096 4.62 / 1.28; bf16: 1.10 / 1.03, 0.68 / 1.48, 1.01 / 1.56, 0.84 / 0.97,
+#: 4096 1.89 / 1.38. B = 32, D = 64: tiled 0.62-1.05 ms against sort 0.98-1.56 ms at every L to 2048. The
+#: crossover stays between 2048 and 4096. The sort path is still host-bound (~1-1.7 ms whatever L): in
+#: device time its two main kernels take 0.04 ms at B = 8, L = 1024, D = 512 fp32 (the autotuner's best
+#: configs) against the tiled kernels' 0.39 ms, so the crossover would move far down if the host cost
+#: went (a CUDA graph around the step): re-measure it then.
 TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 2048, torch.float16: 2048, torch.bfloat16: 2048}
 
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
