@@ -583,7 +583,8 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
                 continue
             mean, std = np.asarray(curve["mean"]), np.asarray(curve["std"])
             marker = "o" if config.runs <= 32 else None  # a curve of one assignment is a single point
-            axis.plot(x, mean, marker=marker, label=f"{label} ({len(curve['seeds'])} seeds)")
+            seeds = len(curve["seeds"])
+            axis.plot(x, mean, marker=marker, label=f"{label} ({seeds} seed{'' if seeds == 1 else 's'})")
             axis.fill_between(x, mean - std, mean + std, alpha=0.25)
         random = setting["source"].get("random_score")
         if random is not None:
