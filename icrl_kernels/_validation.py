@@ -194,6 +194,12 @@ def value_checks() -> str:
     return _value_check_mode
 
 
+def synchronous_value_checks(device: torch.device) -> bool:
+    """Whether a value check on ``device`` reads its result on the host and raises ``ValueError`` at once
+    (mode ``"sync"``, or ``"auto"`` on the CPU), rather than queueing a device assert."""
+    return _value_check_mode == "sync" or (_value_check_mode == "auto" and device.type == "cpu")
+
+
 def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | None = None) -> None:
     """Raise ``ValueError`` if the 0-d bool tensor ``bad`` is True, without a host sync on GPU.
 
@@ -203,7 +209,7 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
     """
     if _value_check_mode == "off":
         return
-    if _value_check_mode == "sync" or (_value_check_mode == "auto" and bad.device.type == "cpu"):
+    if synchronous_value_checks(bad.device):
         if bool(bad):
             raise ValueError(message + (details() if details is not None else ""))
         return

@@ -1099,6 +1099,70 @@ def test_bad_target_values(backend, device):
 
 
 @pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("num_actions", [37, 150])  # one action tile; ten streamed tiles of 16 (fp32)
+@pytest.mark.parametrize("masked", [True, False])
+def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
+    """The fused forward reports the value checks per row from its own loads (no torch ops of their own):
+    its status, row by row, against the conditions the eager path checks with torch ops."""
+    from icrl_kernels.contrastive import checks
+    from icrl_kernels.contrastive.function import _padded_mask
+    from icrl_kernels.contrastive.kernels import infonce_forward_triton
+
+    device = TRITON_DEVICES[0]
+    gen = torch.Generator().manual_seed(num_actions)
+    batch, steps, dim, ignore = 3, 13, 16, 5  # an ignore_index that is also an action id
+    pred = torch.randn(batch, steps, dim, generator=gen)
+    embeds = torch.randn(1, num_actions, dim, generator=gen)
+    targets = torch.randint(-2, num_actions + 2, (batch, steps), generator=gen)
+    targets[torch.rand(batch, steps, generator=gen) < 0.2] = ignore
+    mask = torch.rand(batch, steps, num_actions, generator=gen) < 0.3
+    mask[0, 2] = False  # a row with no available action, whatever its target
+    mask[1, 4] = False
+    targets[1, 4] = ignore  # ... also when the row is padding
+    mask[2, 6, -1] = True
+    targets[2, 6] = num_actions - 1  # the last action, in the last (partial) tile
+    if not masked:
+        mask[:] = True
+    used = targets != ignore
+    out_of_range = used & ((targets < 0) | (targets >= num_actions))
+    available = mask.gather(-1, targets.clamp(0, num_actions - 1)[..., None])[..., 0]
+    expected = torch.zeros(batch, steps, dtype=torch.int8)
+    expected[used & ~out_of_range & ~available] = checks.ROW_TARGET_UNAVAILABLE
+    expected[out_of_range] = checks.ROW_TARGET_OUT_OF_RANGE
+    expected[~mask.any(-1)] = checks.ROW_NO_ACTION
+    assert {int(v) for v in expected.unique()} == ({0, 1, 2, 3} if masked else {0, 2}), "every status must occur"
+
+    mask3 = _padded_mask(mask.to(torch.uint8)).to(device) if masked else None
+    losses, lse, status = infonce_forward_triton(pred.to(device), embeds.to(device), targets.to(device), mask3,
+                                                 0.5, ignore)  # fmt: skip
+    assert torch.equal(status.cpu(), expected)
+    fine = expected == 0
+    assert torch.isfinite(losses.cpu()[fine]).all() and torch.isfinite(lse.cpu()[fine]).all()
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_gpu_value_check_path_names_every_rule():
+    """On CUDA the fused forward's status is checked by one device assert, whose message names each rule
+    (here run on the CPU with mode "async", which raises at once)."""
+    from icrl_kernels import set_value_checks
+
+    device = TRITON_DEVICES[0]
+    args = {k: v.to(device) for k, v in _base_args().items()}
+    mask = torch.tensor([True, False, True, True], device=device)
+    bad = args["targets"].clone()
+    bad[0, 0] = 1  # unavailable under the mask
+    previous = set_value_checks("async")
+    try:
+        infonce_loss(args["pred"], args["action_embeds"], args["targets"].clamp(2, 3), mask=mask, backend="triton")
+        with pytest.raises(RuntimeError, match=r"targets must lie in \[0, 4\).*unavailable.*no available action"):
+            infonce_loss(args["pred"], args["action_embeds"], bad, mask=mask, backend="triton")
+        with pytest.raises(RuntimeError, match=r"targets must lie in \[0, 4\) or equal ignore_index=-100$"):
+            infonce_loss(args["pred"], args["action_embeds"], bad + 10, backend="triton")
+    finally:
+        set_value_checks(previous)
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_triton_rejects_float64():
     device = TRITON_DEVICES[0]
     args = {k: (v.double() if v.is_floating_point() else v).to(device) for k, v in _base_args().items()}
@@ -1346,7 +1410,7 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
     splits = k._num_splits(ROWS, -(-A // block_ae))  # grad_embeds writes fp32 partials when split
     signature = {
         "pred_ptr": "*" + dtype, "embeds_ptr": "*" + dtype, "mask_ptr": "*u8" if masked else "*" + dtype,
-        "targets_ptr": "*i64", "lse_ptr": "*fp32", "weights_ptr": "*fp32", "wmax_ptr": "*fp32",
+        "targets_ptr": "*i64", "lse_ptr": "*fp32", "weights_ptr": "*fp32", "wmax_ptr": "*fp32", "status_ptr": "*i8",
         "loss_ptr": "*fp32", "grad_ptr": "*" + dtype, "seed_ptr": "*i64", "nan_ptr": "*i8",
         "T": T, "A": A, "D": D, "ROWS": ROWS, "tau": 0.5, "ignore_index": -100,
         "MASK_COLS": mask_cols if masked else 16, "SIZE_BUCKET": 8192,

@@ -252,3 +252,44 @@ def test_finished_trials_are_not_trained_again(tmp_path, monkeypatch):
     assert [t["status"] for t in second["trials"]] == ["reused", "reused"]
     assert [t["score"] for t in second["trials"]] == [t["score"] for t in first["trials"]]
     assert [path.read_text() for path in metrics] == before  # no second evaluation row
+
+
+def test_trials_of_earlier_result_files_are_reused_where_every_run_setting_matches(tmp_path, monkeypatch, capsys):
+    import icrl_models.experiments.ngram_ad as ngram_ad
+
+    first = compare(CompareConfig(preset="goals", num_train_tasks=(10,), num_histories=(6,), seeds=(0,),
+                                  out_dir=str(tmp_path / "first"), **TINY), command="first")  # fmt: skip
+    stored = tmp_path / "first" / "ngram-ad-goals.json"
+    trained = []
+    real_run_trial = ngram_ad.run_trial
+    monkeypatch.setattr(ngram_ad, "run_trial", lambda config: trained.append(config.out_dir) or real_run_trial(config))
+
+    # A second setting added to a sweep whose run folders are gone: only its trials train.
+    merged = compare(CompareConfig(preset="goals", num_train_tasks=(10, 20), num_histories=(6,), seeds=(0,),
+                                   out_dir=str(tmp_path / "second"), reuse_results=(str(stored),), **TINY),
+                     command="second")  # fmt: skip
+    assert len(trained) == 4 and all("goals20-" in path for path in trained)
+    ten = [t for t in merged["trials"] if t["num_train_tasks"] == 10]
+    assert [t["status"] for t in ten] == ["reused"] * 4 and {t["reused_from"] for t in ten} == {str(stored)}
+    assert [t["out_dir"] for t in ten] == [t["out_dir"] for t in first["trials"]]  # where they trained
+    assert [t["score"] for t in ten] == [t["score"] for t in first["trials"]]
+    assert merged["settings"][0]["expected_max_performance"] == first["settings"][0]["expected_max_performance"]
+    assert {t["status"] for t in merged["trials"] if t["num_train_tasks"] == 20} == {"trained"}
+    assert "4 of 8 trials reused from" in capsys.readouterr().err
+
+    # A file whose runs trained or were scored otherwise stands in for nothing.
+    trained.clear()
+    compare(CompareConfig(preset="goals", num_train_tasks=(10,), num_histories=(6,), seeds=(0,),
+                          out_dir=str(tmp_path / "third"), reuse_results=(str(stored),),
+                          **{**TINY, "steps": 3, "eval_episodes": 3}), command="third")  # fmt: skip
+    assert len(trained) == 4
+    assert "nothing reused from" in (err := capsys.readouterr().err) and "steps, eval_episodes differ" in err
+
+
+def test_reuse_results_must_be_result_files(tmp_path):
+    with pytest.raises(ValueError, match="reuse_results: no such file"):
+        CompareConfig(preset="goals", reuse_results=(str(tmp_path / "missing.json"),))
+    (bad := tmp_path / "bad.json").write_text('{"trials": 3}')
+    config = CompareConfig(preset="goals", out_dir=str(tmp_path), reuse_results=(str(bad),), **TINY)
+    with pytest.raises(ValueError, match="reuse_results: .*bad.json is not a result file of icrl-compare"):
+        compare(config)

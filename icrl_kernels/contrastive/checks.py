@@ -12,11 +12,29 @@ from typing import NamedTuple
 
 import torch
 
-from .._validation import FLOAT_DTYPES, INT_DTYPES, check_same_device, check_tensor, check_values
+from .._validation import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    check_same_device,
+    check_tensor,
+    check_values,
+    synchronous_value_checks,
+    value_checks,
+)
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
 SELECTION_MODES = ("sample", "argmax")
+
+#: Per-row status codes of the fused InfoNCE forward (0: the row passes every value check), in the order
+#: the checks report them: a mask row with no available action, a target out of range, an unavailable one.
+ROW_NO_ACTION, ROW_TARGET_OUT_OF_RANGE, ROW_TARGET_UNAVAILABLE = 1, 2, 3
+NO_ACTION_MESSAGE = "mask leaves a row with no available action (every row needs at least one)"
+UNAVAILABLE_TARGET_MESSAGE = "targets include actions that mask marks unavailable"
+
+
+def _range_message(num_actions: int, ignore_index: int) -> str:
+    return f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}"
 
 
 class Canonical(NamedTuple):
@@ -92,10 +110,7 @@ def check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
 def check_rows_have_actions(mask: torch.Tensor | None) -> None:
     """Every row of the canonical ``mask`` allows at least one action (a value check, no host sync on GPU)."""
     if mask is not None:
-        check_values(
-            mask.any(dim=-1).all().logical_not(),
-            "mask leaves a row with no available action (every row needs at least one)",
-        )
+        check_values(mask.any(dim=-1).all().logical_not(), NO_ACTION_MESSAGE)
 
 
 def check_target_values(targets: torch.Tensor, mask: torch.Tensor | None, num_actions: int, ignore_index: int):
@@ -108,17 +123,39 @@ def check_target_values(targets: torch.Tensor, mask: torch.Tensor | None, num_ac
     """
     used = targets != ignore_index
     out_of_range = used & ((targets < 0) | (targets >= num_actions))
-    check_values(
-        out_of_range.any(),
-        f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}",
-        lambda: f", got {targets[out_of_range][:5].tolist()}",
-    )
+    message = _range_message(num_actions, ignore_index)
+    check_values(out_of_range.any(), message, lambda: f", got {targets[out_of_range][:5].tolist()}")
     if mask is not None:
         index = targets.clamp(0, num_actions - 1)
         allowed = mask[..., :num_actions].expand(targets.shape + (num_actions,)).gather(-1, index[..., None])[..., 0]
         unavailable = used & ~out_of_range & (allowed == 0)
         check_values(
-            unavailable.any(),
-            "targets include actions that mask marks unavailable",
-            lambda: f", e.g. {targets[unavailable][:5].tolist()}",
+            unavailable.any(), UNAVAILABLE_TARGET_MESSAGE, lambda: f", e.g. {targets[unavailable][:5].tolist()}"
         )
+
+
+def check_row_status(
+    status: torch.Tensor, targets: torch.Tensor, num_actions: int, ignore_index: int, has_mask: bool
+) -> None:
+    """The value checks of :func:`check_rows_have_actions` and :func:`check_target_values`, from the
+    per-row status the fused forward wrote (``ROW_*`` codes) instead of from torch ops of their own.
+
+    Where checks are synchronous (CPU tensors, or mode ``"sync"``) each problem raises with the same
+    message as those functions, in the same order; on the asynchronous path (CUDA) one device assert
+    covers all three, so a call costs three small ops instead of 8 (22 with a mask)."""
+    if value_checks() == "off":
+        return
+    if synchronous_value_checks(status.device):
+        for code, message, examples in (
+            (ROW_NO_ACTION, NO_ACTION_MESSAGE, ""),
+            (ROW_TARGET_OUT_OF_RANGE, _range_message(num_actions, ignore_index), ", got "),
+            (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, ", e.g. "),
+        ):
+            bad = status == code
+            # The same text as check_rows_have_actions / check_target_values: up to five offending targets.
+            check_values(bad.any(), message, lambda b=bad, e=examples: e and f"{e}{targets[b][:5].tolist()}")
+        return
+    message = _range_message(num_actions, ignore_index)
+    if has_mask:
+        message += f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}"
+    check_values(status.any(), message)

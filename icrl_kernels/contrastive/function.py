@@ -20,6 +20,7 @@ from .checks import (
     REDUCTIONS,
     SELECTION_MODES,
     canonical,
+    check_row_status,
     check_rows_have_actions,
     check_target_values,
     check_targets,
@@ -63,12 +64,15 @@ def _forward(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Checked here, inside the opaque op, so that compiled graphs (fullgraph) still raise on bad targets.
-    check_rows_have_actions(mask)
-    check_target_values(targets, mask, embeds.shape[1], ignore_index)
     if impl == "triton":
         from .kernels import infonce_forward_triton
 
-        return infonce_forward_triton(pred, embeds, targets, mask, tau, ignore_index)
+        # The kernel reports each row's problems; checking its status costs 3 small ops, not 8 (22 with a mask).
+        losses, lse, status = infonce_forward_triton(pred, embeds, targets, mask, tau, ignore_index)
+        check_row_status(status, targets, embeds.shape[1], ignore_index, has_mask=mask is not None)
+        return losses, lse
+    check_rows_have_actions(mask)
+    check_target_values(targets, mask, embeds.shape[1], ignore_index)
     return infonce_forward_eager(pred, embeds, targets, mask, tau, ignore_index)
 
 

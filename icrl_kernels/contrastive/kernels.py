@@ -9,7 +9,9 @@ Logits never reach memory. A program walks the action axis in tiles of ``BLOCK_A
 logits tile ``[BLOCK_N, BLOCK_A]`` is a ``tl.dot`` over ``D`` in chunks of ``BLOCK_D``:
 
 * forward: an online log-sum-exp (running max and rescaled sum) plus the target's logit; it stores
-  the loss and the log-sum-exp of each row (8 bytes per row);
+  the loss and the log-sum-exp of each row (8 bytes per row), and each row's status under the value checks
+  (1 byte: no available action, target out of range or unavailable; ``checks.check_row_status``), so that
+  the checks cost three small ops on the device instead of 8-22 torch ops of their own;
 * backward, ``grad_pred``: a program owns a row tile and *all* ``D`` output columns. With one action
   tile (``A <= 128``) it computes ``softmax - one_hot`` once and then one dot per output chunk, stored
   at once. With streamed actions (tiles of ``STREAM_BLOCK_A`` = 64, so that the ``[64, next_pow2(D)]``
@@ -71,6 +73,12 @@ import triton.language as tl
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
 from .._triton import autotune, launch, size_bucket
+from . import checks
+
+# The forward's per-row status codes (checks.check_row_status reads them).
+ROW_NO_ACTION = tl.constexpr(checks.ROW_NO_ACTION)
+ROW_TARGET_OUT_OF_RANGE = tl.constexpr(checks.ROW_TARGET_OUT_OF_RANGE)
+ROW_TARGET_UNAVAILABLE = tl.constexpr(checks.ROW_TARGET_UNAVAILABLE)
 
 #: Largest action tile; action sets up to this size are held in registers whole.
 MAX_BLOCK_A = 128
@@ -205,12 +213,15 @@ def _softmax_minus_one_hot(logits, row_lse, targets, actions):
 @autotune(_ROW_CONFIGS, key=["A", "D", "SIZE_BUCKET"])
 @triton.jit
 def _infonce_forward_kernel(
-    pred_ptr, embeds_ptr, mask_ptr, targets_ptr, loss_ptr, lse_ptr,
+    pred_ptr, embeds_ptr, mask_ptr, targets_ptr, loss_ptr, lse_ptr, status_ptr,
     T, A, D, ROWS, tau, ignore_index, MASK_COLS, SIZE_BUCKET,
     stride_pb, stride_pt, stride_eg, stride_ea, stride_mb, stride_mt, stride_ma,
     HAS_MASK: tl.constexpr, HALF_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
+    """Per row: the loss, the log-sum-exp, and the status of the value checks (``checks.ROW_*``): a row
+    whose mask allows no action, a target out of range, a target the mask makes unavailable, else 0.
+    The checks come from what the kernel loads anyway, so they cost no launches of their own."""
     group, local = _row_tile(ROWS, BLOCK_N)
     row_ok = local < ROWS
     rows = group * ROWS + local
@@ -219,6 +230,9 @@ def _infonce_forward_kernel(
     running_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     target_logit = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Counted from the mask itself, not from -inf logits (an infinite pred is not a masked action).
+    available_actions = tl.zeros([BLOCK_N], dtype=tl.int32)
+    target_available = tl.zeros([BLOCK_N], dtype=tl.int32)
     for a_start in range(0, A, BLOCK_A):
         actions = a_start + tl.arange(0, BLOCK_A)
         logits = _logits_tile(
@@ -226,16 +240,31 @@ def _infonce_forward_kernel(
             stride_pb, stride_pt, stride_ea, stride_mb, stride_mt, stride_ma,
             HAS_MASK, HALF_DOT, BLOCK_N, BLOCK_A, BLOCK_D,
         )  # fmt: skip
-        target_logit += tl.sum(tl.where(actions[None, :] == targets[:, None], logits, 0.0), axis=1)
+        hit = actions[None, :] == targets[:, None]
+        target_logit += tl.sum(tl.where(hit, logits, 0.0), axis=1)
+        if HAS_MASK:  # the same mask tile _logits_tile just read (cached)
+            available = _available(
+                mask_ptr, rows, row_ok, actions, T, A, MASK_COLS, stride_mb, stride_mt, stride_ma, HAS_MASK
+            )  # fmt: skip
+            available_actions += tl.sum(available.to(tl.int32), axis=1)
+            target_available += tl.sum((hit & available).to(tl.int32), axis=1)
         new_max = tl.maximum(running_max, tl.max(logits, axis=1))
         # A row whose actions so far are all unavailable keeps max -inf; shift by 0 to avoid inf - inf.
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
         running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
         running_max = new_max
-    # Rows past the end have no available action (sum 0); log(1) keeps them finite (they are not stored).
-    lse = running_max + tl.log(tl.where(row_ok, running_sum, 1.0))
+    # Rows past the end, or whose mask allows no action, have sum 0: log(1) keeps the log finite (the
+    # lse is then running_max = -inf, or not stored); a NaN sum stays NaN.
+    lse = running_max + tl.log(tl.where(running_sum == 0, 1.0, running_sum))
     tl.store(lse_ptr + rows, lse, mask=row_ok)
     tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit), mask=row_ok)
+    used = targets != ignore_index
+    out_of_range = used & ((targets < 0) | (targets >= A))
+    status = tl.where(out_of_range, ROW_TARGET_OUT_OF_RANGE, 0)
+    if HAS_MASK:
+        status = tl.where(used & ~out_of_range & (target_available == 0), ROW_TARGET_UNAVAILABLE, status)
+        status = tl.where(available_actions == 0, ROW_NO_ACTION, status)
+    tl.store(status_ptr + rows, status.to(tl.int8), mask=row_ok)
 
 
 @autotune(_GRAD_PRED_CONFIGS, key=["A", "D", "SIZE_BUCKET"])
@@ -482,25 +511,28 @@ def _layout_args(pred, embeds, mask):
 
 
 def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index: int):
-    """Canonical inputs (see :mod:`.function`) -> per-row ``(loss, lse)``, ``[B, T]`` float32 each."""
+    """Canonical inputs (see :mod:`.function`) -> per-row ``(loss, lse, status)``, ``[B, T]`` each: float32
+    losses and log-sum-exps, and the int8 status of the value checks (``checks.ROW_*``, 0 where the row is
+    fine), which :func:`.checks.check_row_status` turns into errors."""
     batch, steps, dim = pred.shape
     num_actions = embeds.shape[1]
     groups, rows, (mask_t, mask_cols, smb, smt, sma) = _layout_args(pred, embeds, mask)
     losses = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
     lse = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
+    status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
     half_dot = _half_dot(pred.dtype)
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_infonce_forward_kernel, grid)(
-        pred, embeds, mask_t, targets, losses, lse,
+        pred, embeds, mask_t, targets, losses, lse, status,
         steps, num_actions, dim, rows, tau, ignore_index, mask_cols, size_bucket(rows),
         pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma,
         HAS_MASK=mask is not None, HALF_DOT=half_dot,
         BLOCK_A=_block_a(num_actions, half_dot, dim),  # grad_pred's tiles: the same logits
     )  # fmt: skip
-    return losses, lse
+    return losses, lse, status
 
 
 def _num_splits(rows: int, tiles: int) -> int:

@@ -28,6 +28,10 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   so this isolates the data-budget question (how many training goals each model needs) from the search;
   results go to ``<stem>-defaults.*``, and the plot shows the score against the data budget (and, for
   Key-to-Door, the success rate beside Q-learning's in a second panel).
+* **Results from elsewhere** (``--reuse-results FILE ...``): trials stored in earlier result files of this
+  command (their ``.json``) are taken from there instead of training again, where the setting, seed, model,
+  draw and every setting that decides a run's training and evaluation match; for example to add a setting
+  or a seed to a sweep whose run folders are gone, or to merge sweeps run on different machines.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
 
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -233,6 +238,11 @@ class CompareConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
+    reuse_results: tuple[str, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
+                  "them again, where setting, seed, model, draw and every run setting match", "metavar": "FILE"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -250,6 +260,10 @@ class CompareConfig(SweepOptions):
         if not self.models or len(set(self.models)) != len(self.models) or not set(self.models) <= set(MODELS):
             raise ValueError(f"models must be distinct names from {tuple(MODELS)}, got {self.models!r}")
         self.models = tuple(model for model in MODELS if model in self.models)  # AD first, as in every table
+        self.reuse_results = as_tuple(self.reuse_results, str, "reuse_results")
+        for path in self.reuse_results:
+            if not Path(path).is_file():
+                raise ValueError(f"reuse_results: no such file: {path}")
         for name in ("num_train_tasks", "num_histories", "seeds"):
             value = getattr(self, name)
             if value is not None:
@@ -353,6 +367,49 @@ def prepare_data(trials: Sequence[Trial], *, progress: bool = True) -> None:
             done.add(trial.config.data)
 
 
+#: The fields of a CompareConfig that, with a trial's setting, seed, model and draw, decide its training and
+#: evaluation (the fields of build_trials' base TrainConfig); a stored trial is reused only where they match.
+_TRIAL_FIELDS = ("env", "source_episodes", "episode_length", "ngram_sizes", "backend", "steps", "batch_size",
+                 "d_model", "num_heads", "num_layers", "eval_tasks", "eval_episodes", "eval_envs_per_task")  # fmt: skip
+#: What a trial's record keeps of its outcome (run_trial's dict without its summary).
+_OUTCOME_FIELDS = ("score", "random_score", "success_rate", "source_final_return", "source_success_rate",
+                   "status", "wall_seconds")  # fmt: skip
+
+
+def stored_outcomes(config: CompareConfig, trials: Sequence[Trial]) -> dict[int, dict]:
+    """``{index into trials: outcome}`` for the trials found in ``config.reuse_results`` (earlier ``.json``
+    files of this command), the first file that holds a trial winning.
+
+    A stored trial stands in for one of ``trials`` where its setting, seed, model, draw index and assignment
+    are the same and its file's config agrees on every field of :data:`_TRIAL_FIELDS`; a file that differs
+    in one of them gives nothing (and says which). The outcome keeps the stored trial's ``out_dir`` and
+    names the file in ``reused_from``; its status is ``"reused"``."""
+    found: dict[int, dict] = {}
+    for path in config.reuse_results:
+        try:
+            stored = json.loads(Path(path).read_text())
+            records, earlier = list(stored["trials"]), dict(stored["config"])
+            by_key = {(r["num_train_tasks"], r["num_histories"], r["seed"], r["model"], r["index"]): r
+                      for r in records}  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"reuse_results: {path} is not a result file of icrl-compare ({error!r})") from None
+        ours = json.loads(json.dumps({name: getattr(config, name) for name in _TRIAL_FIELDS}))  # tuples as lists
+        differ = [name for name in _TRIAL_FIELDS if earlier.get(name) != ours[name]]
+        if differ:
+            print(f"icrl-compare: nothing reused from {path}: its {', '.join(differ)} differ", file=sys.stderr)
+            continue
+        count = 0
+        for position, trial in enumerate(trials):
+            record = by_key.get((*trial.setting, trial.seed, trial.model, trial.index))
+            if position in found or record is None or record.get("assignment") != trial.assignment:
+                continue
+            found[position] = {**{key: record.get(key) for key in _OUTCOME_FIELDS}, "status": "reused",
+                               "out_dir": record.get("out_dir"), "reused_from": str(path)}  # fmt: skip
+            count += 1
+        print(f"icrl-compare: {count} of {len(trials)} trials reused from {path}", file=sys.stderr)
+    return found
+
+
 def _number(value) -> float | None:
     """A JSON-safe score: NaN (no source return to divide by) becomes None."""
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
@@ -440,15 +497,22 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     the ``.json`` and ``.md`` (default: this process's)."""
     out = run_folder(config.out_dir)
     trials = build_trials(config)
-    prepare_data(trials, progress=config.progress)
+    outcomes: list[dict | None] = [None] * len(trials)
+    for position, outcome in stored_outcomes(config, trials).items():
+        outcomes[position] = outcome
+    to_run = [position for position, outcome in enumerate(outcomes) if outcome is None]
+    prepare_data([trials[position] for position in to_run], progress=config.progress)
 
     def report(index: int, outcome: dict) -> None:
         score = "n/a" if outcome["score"] is None else f"{outcome['score']:.3f}"
-        print(f"{trials[index].config.out_dir} ({outcome['status']}): {score} of the source's final return",
+        print(f"{trials[to_run[index]].config.out_dir} ({outcome['status']}): {score} of the source's final return",
               file=sys.stderr)  # fmt: skip
 
-    outcomes = run_trials([trial.config for trial in trials], run_trial, sweep_options(config),
-                          name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
+    if to_run:
+        ran = run_trials([trials[position].config for position in to_run], run_trial, sweep_options(config),
+                         name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
+        for position, outcome in zip(to_run, ran):
+            outcomes[position] = outcome
     result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
     draws = draw_assignments(config.seeds, config.runs, config.hyperparameters)
     result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
