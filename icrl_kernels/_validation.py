@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -214,3 +214,26 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
             raise ValueError(message + (details() if details is not None else ""))
         return
     torch._assert_async(~bad, message)
+
+
+def check_status_codes(
+    status: torch.Tensor,
+    rules: Sequence[tuple[int, str, Callable[[torch.Tensor], str] | None]],
+    async_message: str,
+) -> None:
+    """The value checks a kernel reported as a per-row status (0: the row is fine, else a rule's code).
+
+    ``rules``: ``(code, message, details)`` in the order to report them; ``details(bad_rows)`` (or None)
+    returns extra text and, like :func:`check_values`'s, runs only when a synchronous check fails. Where
+    checks are synchronous (CPU tensors, or mode ``"sync"``) each code raises its own ``ValueError``; on
+    the asynchronous path (CUDA) one device assert with ``async_message`` covers every rule, two small
+    ops whatever their number.
+    """
+    if _value_check_mode == "off":
+        return
+    if synchronous_value_checks(status.device):
+        for code, message, details in rules:
+            bad = status == code
+            check_values(bad.any(), message, details and (lambda b=bad, d=details: d(b)))
+        return
+    check_values(status.any(), async_message)

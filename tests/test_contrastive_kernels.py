@@ -1162,6 +1162,75 @@ def test_gpu_value_check_path_names_every_rule():
         set_value_checks(previous)
 
 
+@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("num_actions", [37, 150])  # one action tile; streamed tiles
+@pytest.mark.parametrize("mode", ["argmax", "sample"])
+def test_select_status_flags_each_row_as_the_checks_do(backend, device, num_actions, mode):
+    """The selection reports its value checks per row (no torch ops of their own): no available action
+    (also where that row's logits are NaN), else a NaN logit of an available action; NaN only at masked
+    actions is fine. Row by row against those conditions computed with torch ops."""
+    from icrl_kernels.contrastive import checks
+    from icrl_kernels.contrastive.eager import select_actions_eager
+    from icrl_kernels.contrastive.function import _padded_mask
+
+    gen = torch.Generator().manual_seed(num_actions)
+    batch, steps, dim = 3, 11, 16
+    pred = torch.randn(batch, steps, dim, generator=gen)
+    embeds = torch.randn(1, num_actions, dim, generator=gen)
+    mask = torch.rand(batch, steps, num_actions, generator=gen) < 0.3
+    mask[:, :, 3] = True
+    pred[0, 1] = float("nan")  # every logit of this row is NaN
+    mask[0, 2] = False  # no available action
+    pred[1, 5] = float("nan")
+    mask[1, 5] = False  # no action and NaN logits: reported as no action
+    embeds[0, -1] = float("nan")  # the last action's logits are NaN for every row ...
+    mask[..., -1] = False
+    mask[2, 7, -1] = True  # ... and available in one row only (the last, partial tile)
+    expected = torch.zeros(batch, steps, dtype=torch.int8)
+    logits_nan = (pred @ embeds[0].T).isnan()
+    expected[(logits_nan & mask).any(-1)] = checks.ROW_NAN_LOGIT
+    expected[~mask.any(-1)] = checks.ROW_NO_ACTION
+    assert expected[0, 1] == expected[2, 7] == checks.ROW_NAN_LOGIT and expected[1, 5] == checks.ROW_NO_ACTION
+    assert (expected == 0).sum() == batch * steps - 4
+
+    seed = torch.tensor([7], device=device)
+    if backend == "triton":
+        from icrl_kernels.contrastive.kernels import select_actions_triton
+
+        mask3 = _padded_mask(mask.to(torch.uint8)).to(device)
+        actions, status = select_actions_triton(pred.to(device), embeds.to(device), mask3, 0.5, mode == "sample", seed)
+    else:
+        actions, status = select_actions_eager(pred, embeds, mask.to(torch.uint8), 0.5, mode == "sample", seed)
+    assert torch.equal(status.cpu(), expected)
+    has_action = expected != checks.ROW_NO_ACTION
+    assert mask[has_action].gather(-1, actions.cpu()[has_action][:, None]).all(), "picked a masked action"
+
+
+@pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
+def test_gpu_select_check_path_names_every_rule():
+    """On CUDA the selection's status is checked by one device assert whose message names each rule
+    (here on the CPU with mode "async", which raises at once); rows that pass raise nothing."""
+    from icrl_kernels import set_value_checks
+
+    device = TRITON_DEVICES[0]
+    pred = torch.randn(2, 5, 16, device=device)
+    embeds = torch.randn(4, 16, device=device)
+    mask = torch.ones(2, 5, 4, dtype=torch.bool, device=device)
+    previous = set_value_checks("async")
+    try:
+        select_actions(pred, embeds, mask=mask, backend="triton")
+        empty_row = mask.clone()
+        empty_row[1, 2] = False
+        with pytest.raises(RuntimeError, match="contains NaN .*; or mask leaves a row with no available action"):
+            select_actions(pred, embeds, mask=empty_row, backend="triton")
+        nan_pred = pred.clone()
+        nan_pred[0, 0, 0] = float("nan")
+        with pytest.raises(RuntimeError, match=r"a logit of an available action is NaN\)$"):
+            select_actions(nan_pred, embeds, mode="argmax", backend="triton")
+    finally:
+        set_value_checks(previous)
+
+
 @pytest.mark.skipif(not triton_devices(), reason="needs TRITON_INTERPRET=1 or CUDA")
 def test_triton_rejects_float64():
     device = TRITON_DEVICES[0]

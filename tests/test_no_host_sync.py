@@ -5,8 +5,9 @@ and backward (and every module's forward) under a dispatch mode that fails on an
 a device value on the host, with value checks in their GPU mode (``"async"``); and on a GPU,
 ``torch.cuda.set_sync_debug_mode("error")`` around the same calls.
 
-Value checks go through ``icrl_kernels._validation.check_values``, the one allowed place (its
-``details`` text, built only when a synchronous check fails, may read values).
+Value checks go through ``icrl_kernels._validation.check_values`` (or ``check_status_codes``, which
+calls it), the one allowed place (their ``details`` text, built only when a synchronous check fails, may
+read values).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from icrl_kernels._backend import triton_runs_on
 PACKAGE = Path(ik.__file__).parent
 #: Files that may read values: the test helpers, and the checker itself.
 ALLOWED_FILES = {"testing.py", "_validation.py"}
+#: The value checks, whose arguments may read values (``details``, run only when a synchronous check fails).
+VALUE_CHECKS = {"check_values", "check_status_codes"}
 #: Methods that copy a device value to the host (or a whole tensor).
 HOST_READ_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero"}
 #: Tensor reductions whose result, passed to bool()/int()/float() or tested by `if`, is a host read.
@@ -41,11 +44,12 @@ def _calls_reduction(node: ast.AST) -> bool:
 
 
 def host_reads(source: str) -> list[tuple[int, str]]:
-    """``(line, text)`` of every host read in ``source`` outside ``check_values(...)`` arguments."""
+    """``(line, text)`` of every host read in ``source`` outside the arguments of ``check_values(...)``
+    and ``check_status_codes(...)``."""
     tree = ast.parse(source)
     skipped: set[int] = set()
-    for node in ast.walk(tree):  # the arguments of check_values may read values (details on failure)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "check_values":
+    for node in ast.walk(tree):  # the arguments of the value checks may read values (details on failure)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in VALUE_CHECKS:
             skipped.update(id(sub) for arg in node.args + [k.value for k in node.keywords] for sub in ast.walk(arg))
     found = []
     for node in ast.walk(tree):
@@ -70,9 +74,11 @@ def test_scanner_finds_host_reads():
         "        pass\n"
         "    c = int(x.max())\n"
         "    check_values(x.any(), 'fine', lambda: str(x.tolist()))\n"
+        "    check_status_codes(x, ((1, 'fine', lambda b: str(x[b].tolist())),), 'fine')\n"
+        "    rules = ((1, 'not fine', lambda b: str(x[b].tolist())),)\n"
         "    return bool(flag)\n"
     )
-    assert sorted(line for line, _ in host_reads(source)) == [2, 3, 4, 6]
+    assert sorted(line for line, _ in host_reads(source)) == [2, 3, 4, 6, 9]
 
 
 def test_package_source_has_no_host_reads():

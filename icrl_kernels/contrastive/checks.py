@@ -3,7 +3,7 @@
 A module of its own because ``function.py`` imports ``reference.py``: the references cannot import the
 public functions' checks from there without an import cycle. Shape, dtype and device checks read no
 tensor value; the value checks (targets in range, rows with an available action) go through
-``check_values`` (no host sync on CUDA).
+``check_values`` or, from the per-row status a kernel wrote, ``check_status_codes`` (no host sync on CUDA).
 """
 
 from __future__ import annotations
@@ -16,21 +16,22 @@ from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_same_device,
+    check_status_codes,
     check_tensor,
     check_values,
-    synchronous_value_checks,
-    value_checks,
 )
 
 IGNORE_INDEX = -100
 REDUCTIONS = ("mean", "sum", "none")
 SELECTION_MODES = ("sample", "argmax")
 
-#: Per-row status codes of the fused InfoNCE forward (0: the row passes every value check), in the order
-#: the checks report them: a mask row with no available action, a target out of range, an unavailable one.
-ROW_NO_ACTION, ROW_TARGET_OUT_OF_RANGE, ROW_TARGET_UNAVAILABLE = 1, 2, 3
+#: Per-row status codes written by the InfoNCE forward and the selection (0: the row passes every value
+#: check), in the order the checks report them: a mask row with no available action, a target out of
+#: range, an unavailable target (InfoNCE), a NaN logit of an available action (selection).
+ROW_NO_ACTION, ROW_TARGET_OUT_OF_RANGE, ROW_TARGET_UNAVAILABLE, ROW_NAN_LOGIT = 1, 2, 3, 4
 NO_ACTION_MESSAGE = "mask leaves a row with no available action (every row needs at least one)"
 UNAVAILABLE_TARGET_MESSAGE = "targets include actions that mask marks unavailable"
+NAN_LOGIT_MESSAGE = "pred or action_embeds contains NaN (a logit of an available action is NaN)"
 
 
 def _range_message(num_actions: int, ignore_index: int) -> str:
@@ -138,24 +139,35 @@ def check_row_status(
     status: torch.Tensor, targets: torch.Tensor, num_actions: int, ignore_index: int, has_mask: bool
 ) -> None:
     """The value checks of :func:`check_rows_have_actions` and :func:`check_target_values`, from the
-    per-row status the fused forward wrote (``ROW_*`` codes) instead of from torch ops of their own.
+    per-row status the fused forward wrote (``ROW_*`` codes) instead of from torch ops of their own:
+    the same messages in the same order where checks are synchronous; one device assert on CUDA, so a
+    call costs three small ops instead of 8 (22 with a mask)."""
+    range_message = _range_message(num_actions, ignore_index)
+    check_status_codes(
+        status,
+        (
+            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+            # The same text as check_target_values: up to five offending targets.
+            (ROW_TARGET_OUT_OF_RANGE, range_message, lambda bad: f", got {targets[bad][:5].tolist()}"),
+            (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, lambda bad: f", e.g. {targets[bad][:5].tolist()}"),
+        ),
+        range_message + (f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}" if has_mask else ""),
+    )
 
-    Where checks are synchronous (CPU tensors, or mode ``"sync"``) each problem raises with the same
-    message as those functions, in the same order; on the asynchronous path (CUDA) one device assert
-    covers all three, so a call costs three small ops instead of 8 (22 with a mask)."""
-    if value_checks() == "off":
-        return
-    if synchronous_value_checks(status.device):
-        for code, message, examples in (
-            (ROW_NO_ACTION, NO_ACTION_MESSAGE, ""),
-            (ROW_TARGET_OUT_OF_RANGE, _range_message(num_actions, ignore_index), ", got "),
-            (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, ", e.g. "),
-        ):
-            bad = status == code
-            # The same text as check_rows_have_actions / check_target_values: up to five offending targets.
-            check_values(bad.any(), message, lambda b=bad, e=examples: e and f"{e}{targets[b][:5].tolist()}")
-        return
-    message = _range_message(num_actions, ignore_index)
-    if has_mask:
-        message += f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}"
-    check_values(status.any(), message)
+
+def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: torch.Tensor, has_mask: bool) -> None:
+    """The value checks of the selection, from the per-row status it wrote: a mask row with no available
+    action (``ROW_NO_ACTION``), then a NaN logit of an available action (``ROW_NAN_LOGIT``); one device
+    assert on CUDA (two ops, where a separate mask check and NaN check took six)."""
+    check_status_codes(
+        status,
+        (
+            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+            (
+                ROW_NAN_LOGIT,
+                NAN_LOGIT_MESSAGE,
+                lambda _: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}",
+            ),
+        ),
+        NAN_LOGIT_MESSAGE + (f"; or {NO_ACTION_MESSAGE}" if has_mask else ""),
+    )

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .checks import ROW_NAN_LOGIT, ROW_NO_ACTION
+
 #: Largest logits chunk (elements) the eager path materialises at once: 128 MB of fp32. Larger chunks
 #: read the map fewer times (each chunk multiplies its rows by the whole map): at a million actions,
 #: 2^22 meant 4-row chunks and a run 2.4x slower than the dense reference on a 2-core CPU.
@@ -87,8 +89,10 @@ def infonce_backward_eager(row_weights, pred, embeds, targets, mask, lse, tau: f
 
 
 def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor):
-    """``([B, T] int64 actions, 0-d bool "an available logit is NaN")``: per row the lowest available
-    action of highest ``logit`` (+ Gumbel noise from the device tensor ``seed`` when sampling).
+    """``([B, T] int64 actions, [B, T] int8 status)``: per row the lowest available action of highest
+    ``logit`` (+ Gumbel noise from the device tensor ``seed`` when sampling), and the row's status as the
+    Triton kernel writes it (``checks.ROW_NO_ACTION``: the mask leaves no action, the id is then
+    ``A``; ``checks.ROW_NAN_LOGIT``: an available action's logit is NaN; 0 otherwise).
 
     Never a masked action, whatever the values: NaN scores rank lowest, and a row whose available
     scores are all -inf or NaN gets its first available action. No host read anywhere.
@@ -96,7 +100,7 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
     batch, steps = pred.shape[:2]
     num_actions = embeds.shape[1]
     actions = torch.empty((batch, steps), dtype=torch.int64, device=pred.device)
-    saw_nan = torch.zeros((), dtype=torch.bool, device=pred.device)
+    status = torch.empty((batch, steps), dtype=torch.int8, device=pred.device)
     for seqs, step_slice in _chunks(pred, num_actions):
         logits = _chunk_logits(pred, embeds, mask, tau, seqs, step_slice)
         # From the mask, not from the logits: a real logit may be -inf too (overflow at a tiny tau).
@@ -106,7 +110,10 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
             chunk_mask = (chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, step_slice])[..., :num_actions]
             available = available & (chunk_mask != 0)
         is_nan = logits.isnan()
-        saw_nan |= (is_nan & available).any()
+        nan_rows = (is_nan & available).any(dim=-1)
+        status[seqs, step_slice] = torch.where(
+            available.any(dim=-1), torch.where(nan_rows, ROW_NAN_LOGIT, 0), ROW_NO_ACTION
+        ).to(torch.int8)
         if sample:
             rows = (
                 torch.arange(batch, device=pred.device)[seqs, None] * steps
@@ -120,7 +127,7 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
         ids = torch.arange(num_actions, device=pred.device)
         pick = torch.where(available & (scores == best), ids, num_actions).amin(dim=-1)
         actions[seqs, step_slice] = pick
-    return actions, saw_nan
+    return actions, status
 
 
 _MASK32 = 0xFFFFFFFF

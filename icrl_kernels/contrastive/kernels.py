@@ -23,7 +23,8 @@ logits tile ``[BLOCK_N, BLOCK_A]`` is a ``tl.dot`` over ``D`` in chunks of ``BLO
   action tiles (a shared map of a few actions) the rows are split across ``num_splits`` programs whose
   partial sums (fp32) are added afterwards, deterministically, without atomics;
 * selection: a running (max, lowest id) of ``logits + Gumbel noise`` (Philox, seeded from a device
-  tensor) or of the logits, over available actions only.
+  tensor) or of the logits, over available actions only, and each row's status (no available action, a
+  NaN logit; ``checks.check_selection_status``).
 
 So every ``(row tile, action tile)`` softmax gradient is computed once per gradient kernel, never once
 per output-column block. Passes over the logits (each ``2 N A D`` FLOPs; the reads of ``pred``):
@@ -79,6 +80,7 @@ from . import checks
 ROW_NO_ACTION = tl.constexpr(checks.ROW_NO_ACTION)
 ROW_TARGET_OUT_OF_RANGE = tl.constexpr(checks.ROW_TARGET_OUT_OF_RANGE)
 ROW_TARGET_UNAVAILABLE = tl.constexpr(checks.ROW_TARGET_UNAVAILABLE)
+ROW_NAN_LOGIT = tl.constexpr(checks.ROW_NAN_LOGIT)
 
 #: Largest action tile; action sets up to this size are held in registers whole.
 MAX_BLOCK_A = 128
@@ -408,14 +410,15 @@ def _infonce_grad_embeds_kernel(
 @autotune(_SELECT_CONFIGS, key=["A", "D", "SIZE_BUCKET"])
 @triton.jit
 def _select_actions_kernel(
-    pred_ptr, embeds_ptr, mask_ptr, seed_ptr, out_ptr, nan_ptr,
+    pred_ptr, embeds_ptr, mask_ptr, seed_ptr, out_ptr, status_ptr,
     T, A, D, ROWS, tau, MASK_COLS, SIZE_BUCKET,
     stride_pb, stride_pt, stride_eg, stride_ea, stride_mb, stride_mt, stride_ma,
     SAMPLE: tl.constexpr, HAS_MASK: tl.constexpr, HALF_DOT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Per row, the lowest available action of highest score (logit, plus Gumbel noise when sampling);
-    ``nan_ptr[r] = 1`` where an available action's logit is NaN (NaN in ``pred`` or the map)."""
+    """Per row, the lowest available action of highest score (logit, plus Gumbel noise when sampling),
+    and the row's status under the value checks: ``ROW_NO_ACTION`` where the mask leaves no action (the
+    id stored is then -1), else ``ROW_NAN_LOGIT`` where an available action's logit is NaN, else 0."""
     group, local = _row_tile(ROWS, BLOCK_N)
     row_ok = local < ROWS
     rows = group * ROWS + local
@@ -455,7 +458,8 @@ def _select_actions_kernel(
         best_action = tl.where(better, tile_action, best_action)
         best = tl.where(better, tile_best, best)
     tl.store(out_ptr + rows, best_action, mask=row_ok)
-    tl.store(nan_ptr + rows, saw_nan.to(tl.int8), mask=row_ok)
+    status = tl.where(best_action < 0, ROW_NO_ACTION, tl.where(saw_nan != 0, ROW_NAN_LOGIT, 0))
+    tl.store(status_ptr + rows, status.to(tl.int8), mask=row_ok)
 
 
 def _half_dot(dtype: torch.dtype) -> bool:
@@ -593,23 +597,24 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
 
 
 def select_actions_triton(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor):
-    """``([B, T] int64 actions, [B, T] int8 NaN flags)``: per row the argmax of the logits over the
+    """``([B, T] int64 actions, [B, T] int8 status)``: per row the argmax of the logits over the
     available actions, plus Gumbel noise from the device tensor ``seed`` (int64, one element) when
-    ``sample``; a flag is 1 where an available action's logit is NaN."""
+    ``sample``; the status (``checks.ROW_*``) flags a row with no available action or a NaN logit of an
+    available one, for :func:`.checks.check_selection_status`."""
     batch, steps, dim = pred.shape
     num_actions = embeds.shape[1]
     groups, rows, (mask_t, mask_cols, smb, smt, sma) = _layout_args(pred, embeds, mask)
     actions = empty_output((batch, steps), dtype=torch.int64, device=pred.device)
-    nan_rows = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
+    status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
 
     def grid(meta):
         return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_select_actions_kernel, grid)(
-        pred, embeds, mask_t, seed, actions, nan_rows,
+        pred, embeds, mask_t, seed, actions, status,
         steps, num_actions, dim, rows, tau, mask_cols, size_bucket(rows),
         pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma,
         SAMPLE=sample, HAS_MASK=mask is not None, HALF_DOT=_half_dot(pred.dtype),
         BLOCK_A=_block_a(num_actions, _half_dot(pred.dtype)),
     )  # fmt: skip
-    return actions, nan_rows
+    return actions, status
