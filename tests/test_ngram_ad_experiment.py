@@ -3,6 +3,7 @@ list, Expected Max Performance over seeds, the result files, and that finished t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -284,6 +285,46 @@ def test_trials_of_earlier_result_files_are_reused_where_every_run_setting_match
                           **{**TINY, "steps": 3, "eval_episodes": 3}), command="third")  # fmt: skip
     assert len(trained) == 4
     assert "nothing reused from" in (err := capsys.readouterr().err) and "steps, eval_episodes differ" in err
+
+
+def test_report_only_trains_nothing_and_keeps_only_complete_seeds(tmp_path, monkeypatch):
+    import icrl_models.experiments.ngram_ad as ngram_ad
+
+    first = compare(CompareConfig(preset="goals", num_train_tasks=(10,), num_histories=(6,), seeds=(0, 1),
+                                  out_dir=str(tmp_path / "first"), **TINY), command="first")  # fmt: skip
+    stored = json.loads((tmp_path / "first" / "ngram-ad-goals.json").read_text())
+    # Seed 1 lost one of its four trials.
+    stored["trials"] = [t for t in stored["trials"] if (t["seed"], t["model"], t["index"]) != (1, "ngram_ad", 1)]
+    (partial := tmp_path / "partial.json").write_text(json.dumps(stored))
+    read_back = []
+    real_run_trial = ngram_ad.run_trial
+    monkeypatch.setattr(ngram_ad, "run_trial", lambda cfg: read_back.append(cfg.out_dir) or real_run_trial(cfg))
+
+    config = CompareConfig(preset="goals", num_train_tasks=(10, 20), num_histories=(6,), seeds=(0, 1),
+                           out_dir=str(tmp_path / "report"), reuse_results=(str(partial),), report_only=True,
+                           **TINY)  # fmt: skip
+    report = compare(config, command="report")
+    assert read_back == [] and not list((tmp_path / "report").rglob("train.icrl")), "nothing trains or generates"
+    statuses = [(t["num_train_tasks"], t["seed"], t["status"]) for t in report["trials"]]
+    assert statuses.count((10, 0, "reused")) == 4 and statuses.count((10, 1, "reused")) == 3
+    assert statuses.count((10, 1, "not run")) == 1 and statuses.count((20, 0, "not run")) == 4
+    ten, twenty = report["settings"]
+    assert (ten["seeds"], ten["seeds_not_run"], twenty["seeds"], twenty["seeds_not_run"]) == ([0], [1], [], [0, 1])
+    emp_seed0 = first["settings"][0]["expected_max_performance"]["ngram_ad"]["per_seed"]["0"]
+    assert ten["expected_max_performance"]["ngram_ad"] == {"per_seed": {"0": emp_seed0}, "mean": emp_seed0,
+                                                           "std": [0.0] * len(emp_seed0), "seeds": [0]}  # fmt: skip
+    assert twenty["expected_max_performance"] == {"ad": None, "ngram_ad": None} and twenty["best"] is None
+    markdown = (tmp_path / "report" / "ngram-ad-goals.md").read_text()
+    assert "(seeds 0; not run: 1)" in markdown and "(seeds none; not run: 0, 1)" in markdown
+    assert "nothing to report" in markdown and markdown.count("| not run |") == 9
+
+    # Trials listed as not run stand in for nothing when the report is reused; finished run folders are read.
+    again = compare(dataclasses.replace(config, out_dir=str(tmp_path / "first"), num_train_tasks=(10,),
+                                        reuse_results=(str(tmp_path / "report" / "ngram-ad-goals.json"),)),
+                    command="again")  # fmt: skip
+    assert len(read_back) == 1 and read_back[0].endswith("seed1/ngram_ad-001")
+    assert again["settings"][0]["seeds"] == [0, 1]
+    assert again["settings"][0]["expected_max_performance"] == first["settings"][0]["expected_max_performance"]
 
 
 def test_reuse_results_must_be_result_files(tmp_path):

@@ -32,6 +32,11 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   command (their ``.json``) are taken from there instead of training again, where the setting, seed, model,
   draw and every setting that decides a run's training and evaluation match; for example to add a setting
   or a seed to a sweep whose run folders are gone, or to merge sweeps run on different machines.
+* **Report only** (``--report-only``): nothing trains; the result files report the trials found in
+  ``--reuse-results`` files or finished run folders, and the others are listed as ``not run``. A seed
+  enters a setting's tables and plot only with all its trials (both models, every draw), since EMP
+  after n assignments from fewer draws than asked would be another quantity; for example to publish a
+  sweep where the CPU budget allowed a third seed for one setting only.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
 
@@ -243,6 +248,11 @@ class CompareConfig(SweepOptions):
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
                   "them again, where setting, seed, model, draw and every run setting match", "metavar": "FILE"},
     )  # fmt: skip
+    report_only: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "train nothing: report the trials found in --reuse-results files or finished run folders; "
+                  "a seed with a trial not run is left out of its setting's tables"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -371,6 +381,8 @@ def prepare_data(trials: Sequence[Trial], *, progress: bool = True) -> None:
 #: evaluation (the fields of build_trials' base TrainConfig); a stored trial is reused only where they match.
 _TRIAL_FIELDS = ("env", "source_episodes", "episode_length", "ngram_sizes", "backend", "steps", "batch_size",
                  "d_model", "num_heads", "num_layers", "eval_tasks", "eval_episodes", "eval_envs_per_task")  # fmt: skip
+#: The status of a trial that ``--report-only`` found neither in a result file nor in a finished run folder.
+NOT_RUN = "not run"
 #: What a trial's record keeps of its outcome (run_trial's dict without its summary).
 _OUTCOME_FIELDS = ("score", "random_score", "success_rate", "source_final_return", "source_success_rate",
                    "status", "wall_seconds")  # fmt: skip
@@ -402,6 +414,8 @@ def stored_outcomes(config: CompareConfig, trials: Sequence[Trial]) -> dict[int,
         for position, trial in enumerate(trials):
             record = by_key.get((*trial.setting, trial.seed, trial.model, trial.index))
             if position in found or record is None or record.get("assignment") != trial.assignment:
+                continue
+            if record.get("status") == NOT_RUN:  # listed by --report-only, never trained
                 continue
             found[position] = {**{key: record.get(key) for key in _OUTCOME_FIELDS}, "status": "reused",
                                "out_dir": record.get("out_dir"), "reused_from": str(path)}  # fmt: skip
@@ -463,20 +477,25 @@ def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[d
     settings = []
     for setting in config.settings():
         rows = [r for r in records if (r["num_train_tasks"], r["num_histories"]) == setting]
+        # A seed counts only with every trial run (--report-only leaves some out): EMP after n draws from
+        # fewer draws than asked would be another quantity, and a seed's pair of models stays paired.
+        missing = sorted({r["seed"] for r in rows if r["status"] == NOT_RUN})
+        seeds = [seed for seed in config.seeds if seed not in missing]
+        rows = [r for r in rows if r["seed"] in seeds]
         emp = {}
         for model in config.models:
             by_seed = {seed: [r["score"] for r in rows if r["seed"] == seed and r["model"] == model]
-                       for seed in config.seeds}  # fmt: skip
+                       for seed in seeds}  # fmt: skip
             emp[model] = emp_over_seeds(by_seed, config.runs)
         scored = [r for r in rows if r["score"] is not None]
         source = {}
         for key in ("source_final_return", "source_success_rate"):
-            per_seed = [next(r[key] for r in rows if r["seed"] == seed) for seed in config.seeds]
+            per_seed = [next(r[key] for r in rows if r["seed"] == seed) for seed in seeds]
             per_seed = [value for value in per_seed if value is not None]
             source[key] = seed_stats(per_seed) if per_seed else None
         # Every trial's evaluation also rolls the random policy out: the mean per seed, then over seeds.
         random_per_seed = []
-        for seed in config.seeds:
+        for seed in seeds:
             values = [r["random_score"] for r in rows if r["seed"] == seed and r.get("random_score") is not None]
             if values:
                 random_per_seed.append(float(np.mean(values)))
@@ -484,8 +503,8 @@ def _gather(config: CompareConfig, trials: Sequence[Trial], outcomes: Sequence[d
         goals = setting[0] if setting[0] is not None else DEFAULT_NUM_TRAIN_TASKS.get(config.env)
         settings.append({
             "num_train_tasks": setting[0], "train_goals": goals, "num_histories": setting[1],
-            "seeds": list(config.seeds), "expected_max_performance": emp,
-            "success_rate": {model: _best_run_success(rows, config.seeds, model) for model in config.models},
+            "seeds": seeds, "seeds_not_run": missing, "expected_max_performance": emp,
+            "success_rate": {model: _best_run_success(rows, seeds, model) for model in config.models},
             "best": max(scored, key=lambda r: r["score"]) if scored else None, "source": source,
         })  # fmt: skip
     return {"settings": settings, "trials": records}
@@ -501,6 +520,11 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     for position, outcome in stored_outcomes(config, trials).items():
         outcomes[position] = outcome
     to_run = [position for position, outcome in enumerate(outcomes) if outcome is None]
+    if config.report_only:  # finished run folders are read back (run_trial trains nothing there); no others
+        finished = [position for position in to_run if (Path(trials[position].config.out_dir) / "eval.json").exists()]
+        for position in set(to_run) - set(finished):
+            outcomes[position] = {**dict.fromkeys(_OUTCOME_FIELDS), "status": NOT_RUN}
+        to_run = finished
     prepare_data([trials[position] for position in to_run], progress=config.progress)
 
     def report(index: int, outcome: dict) -> None:
@@ -562,12 +586,18 @@ def markdown_tables(config: CompareConfig, result: dict) -> str:
     parts = []
     for setting in result["settings"]:
         emp = setting["expected_max_performance"]
-        seeds = ", ".join(map(str, setting["seeds"]))
+        seeds = ", ".join(map(str, setting["seeds"])) or "none"
+        if setting.get("seeds_not_run"):
+            seeds += f"; not run: {', '.join(map(str, setting['seeds_not_run']))}"
         lines = [
             f"## {_setting_title(config, setting)} (seeds {seeds})", "",
             _score_caption(config), "",
             "| assignments | " + " | ".join(models.values()) + " |", "|---|" + "---|" * len(models),
         ]  # fmt: skip
+        if not setting["seeds"]:
+            lines[2:] = ["No seed has run all its trials here (`--report-only`): nothing to report."]
+            parts.append("\n".join(lines))
+            continue
         for n in _emp_rows(config.runs):
             cells = []
             for curve in (emp[model] for model in models):
@@ -662,7 +692,10 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
         axis.set_xlabel("hyperparameter assignments")
         axis.set_ylabel("expected max fraction of source")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if setting["seeds"]:
+            axis.legend(fontsize=8)
+        else:  # --report-only: no seed ran all its trials here
+            axis.text(0.5, 0.5, "not run", transform=axis.transAxes, ha="center", va="center", color="gray")
     for axis in list(axes.flat)[len(settings) :]:
         axis.set_visible(False)
     figure.suptitle(f"{' vs '.join(config.model_names().values())}, {config.steps} steps per run (mean ± sd over "
