@@ -226,8 +226,8 @@ def check_status_codes(
     ``rules``: ``(code, message, details)`` in the order to report them; ``details(bad_rows)`` (or None)
     returns extra text and, like :func:`check_values`'s, runs only when a synchronous check fails. Where
     checks are synchronous (CPU tensors, or mode ``"sync"``) each code raises its own ``ValueError``; on
-    the asynchronous path (CUDA) one device assert with ``async_message`` covers every rule, two small
-    ops whatever their number.
+    the asynchronous path (CUDA) one device assert with ``async_message`` covers every rule: three small
+    ops (reduce, negate, assert) whatever their number.
     """
     if _value_check_mode == "off":
         return

@@ -158,7 +158,7 @@ def check_row_status(
 def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: torch.Tensor, has_mask: bool) -> None:
     """The value checks of the selection, from the per-row status it wrote: a mask row with no available
     action (``ROW_NO_ACTION``), then a NaN logit of an available action (``ROW_NAN_LOGIT``); one device
-    assert on CUDA (two ops, where a separate mask check and NaN check took six)."""
+    assert on CUDA (three ops, where a separate mask check and NaN check took eight)."""
     check_status_codes(
         status,
         (

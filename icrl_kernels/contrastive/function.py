@@ -137,7 +137,7 @@ def _select_actions(
     else:
         actions, status = select_actions_eager(pred, embeds, mask, tau, sample, seed)
     # The choice is an available action whatever the values; an empty mask row and NaN inputs are still
-    # errors to report, read from the per-row status the selection wrote (2 ops on CUDA, not 6).
+    # errors to report, read from the per-row status the selection wrote (3 ops on CUDA, not 8 with a mask).
     check_selection_status(status, pred, embeds, has_mask=mask is not None)
     return actions
 
