@@ -429,6 +429,11 @@ def _number(value) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
+def _finished(out_dir: str) -> bool:
+    """Whether a run folder holds a finished run: ``eval.json`` is written only by its final evaluation."""
+    return (Path(out_dir) / "eval.json").exists()
+
+
 def run_trial(config: TrainConfig) -> dict:
     """Train and evaluate one run (``icrl-train`` with ``config``) and score it.
 
@@ -437,7 +442,7 @@ def run_trial(config: TrainConfig) -> dict:
     (fraction_of_source, None if undefined), "success_rate", "source_final_return",
     "source_success_rate" (None where the evaluation gives no success rate), "status", "wall_seconds",
     "summary"}``."""
-    finished = (Path(config.out_dir) / "eval.json").exists()  # written only by a run's final evaluation
+    finished = _finished(config.out_dir)
     summary = train(config)
     source, random = summary["source_final_return"], summary.get("random_final_return")
     return {
@@ -521,7 +526,7 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
         outcomes[position] = outcome
     to_run = [position for position, outcome in enumerate(outcomes) if outcome is None]
     if config.report_only:  # finished run folders are read back (run_trial trains nothing there); no others
-        finished = [position for position in to_run if (Path(trials[position].config.out_dir) / "eval.json").exists()]
+        finished = [position for position in to_run if _finished(trials[position].config.out_dir)]
         for position in set(to_run) - set(finished):
             outcomes[position] = {**dict.fromkeys(_OUTCOME_FIELDS), "status": NOT_RUN}
         to_run = finished
