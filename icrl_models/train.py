@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ._checks import check_float, check_int
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
@@ -170,15 +171,29 @@ class TrainConfig:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
-        for name in ("steps", "batch_size", "seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
-        if self.select_tau is not None and not self.select_tau > 0:
-            raise ValueError(f"select_tau must be > 0 (or unset: tau), got {self.select_tau}")
-        if any(n < 1 for n in self.ngram_sizes):  # checked before any data is generated
+        # Everything is checked here, before minutes of data generation, so a typo fails at once; an
+        # optimiser value torch would accept can still be wrong (grad_clip <= 0 zeroes or flips every step).
+        for name in (
+            "steps", "batch_size", "seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task",
+            "num_histories", "source_episodes", "checkpoint_every", "log_every",
+        ):  # fmt: skip
+            check_int(getattr(self, name), name, low=1)
+        for name in ("num_train_tasks", "episode_length", "eval_tasks"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, low=1)
+        for name in ("seed", "warmup_steps", "eval_every"):
+            check_int(getattr(self, name), name, low=0)
+        for name in ("learning_rate", "grad_clip"):
+            if not check_float(getattr(self, name), name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_float(self.weight_decay, "weight_decay", low=0.0)
+        for name in ("beta1", "beta2", "label_smoothing"):
+            if not 0.0 <= check_float(getattr(self, name), name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if any(n < 1 for n in self.ngram_sizes):
             raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
+        # The model's own checks, with placeholder environment sizes (the data's are not known yet).
+        self._model_config(num_states=1, observation_dim=0, num_actions=1, num_rewards=2)
 
     def ngram_tuple(self) -> tuple[int, ...]:
         """The n-gram sizes the model gets: ``ngram_sizes`` for ``ngram_ad``, none for the other models."""
@@ -203,9 +218,22 @@ class TrainConfig:
 
     def model_config(self, histories: LearningHistories) -> ADConfig | HeadlessADConfig:
         env = histories.metadata["env"]
+        high_reward = env["reward_range"][1]
+        return self._model_config(
+            num_states=max(1, env["num_observations"]),
+            observation_dim=env.get("observation_dim", 0),
+            num_actions=int(histories.action_sets.shape[1]),  # one output per action-set position
+            num_rewards=int(high_reward) + 1 if math.isfinite(high_reward) else 2,
+        )
+
+    def _model_config(
+        self, num_states: int, observation_dim: int, num_actions: int, num_rewards: int
+    ) -> ADConfig | HeadlessADConfig:
+        """The model config of this run for the given environment sizes (Headless-AD ignores the action and
+        reward counts: it scores action embeddings, and embeds rewards as scalars)."""
         shared = {
-            "num_states": max(1, env["num_observations"]),
-            "observation_dim": env.get("observation_dim", 0),
+            "num_states": num_states,
+            "observation_dim": observation_dim,
             "seq_len": self.seq_len,
             "d_model": self.d_model,
             "num_heads": self.num_heads,
@@ -222,10 +250,9 @@ class TrainConfig:
                 embed_dim=self.embed_dim, tau=self.tau, select_tau=self.select_tau, action_prompt=self.action_prompt,
                 step_tokens=self.step_tokens, **shared,
             )  # fmt: skip
-        high_reward = env["reward_range"][1]
         return ADConfig(
-            num_actions=int(histories.action_sets.shape[1]),  # one output per action-set position
-            num_rewards=int(high_reward) + 1 if math.isfinite(high_reward) else 2,
+            num_actions=num_actions,
+            num_rewards=num_rewards,
             ngram_sizes=self.ngram_tuple(),
             ngram_tokens=self.ngram_tokens,
             **shared,

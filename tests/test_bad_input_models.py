@@ -56,6 +56,8 @@ from icrl_models.envs import (
 from icrl_models.function_classes import FunctionClassConfig, sample_prompts
 from icrl_models.generators import collect_histories, make_agent
 from icrl_models.models.ad import ADConfig
+from icrl_models.models.headless_ad import HeadlessADConfig
+from icrl_models.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -433,6 +435,58 @@ def test_ad_config_argument_types(overrides, error, name):
         ADConfig(**overrides)
 
 
+@pytest.mark.parametrize(
+    "overrides, error, name",
+    [
+        ({"d_model": 0}, ValueError, "d_model"),  # 0 % num_heads == 0: the head-split check alone passed it
+        ({"num_heads": 0}, ValueError, "num_heads"),  # was a ZeroDivisionError
+        ({"seq_len": 0}, ValueError, "seq_len"),
+        ({"embed_dim": 0}, ValueError, "embed_dim"),
+        ({"embed_dim": 8.0}, TypeError, "embed_dim"),
+        ({"tau": float("nan")}, ValueError, "tau"),
+        ({"tau": "1"}, TypeError, "tau"),
+        ({"select_tau": "0.5"}, TypeError, "select_tau"),
+        ({"attention_dropout": 1.0}, ValueError, "attention_dropout"),
+    ],
+)
+def test_headless_ad_config_argument_types(overrides, error, name):
+    with pytest.raises(error, match=name):
+        HeadlessADConfig(**overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, name",
+    [
+        # torch would train on these without a word: clipping to 0 zeroes every update, to < 0 flips its sign
+        ({"grad_clip": 0.0}, ValueError, "grad_clip"),
+        ({"grad_clip": -1.0}, ValueError, "grad_clip"),
+        ({"warmup_steps": -5}, ValueError, "warmup_steps"),
+        ({"eval_every": -1}, ValueError, "eval_every"),
+        # torch (AdamW, cross_entropy) or the loop (step % 0) would refuse these only after the data is generated
+        ({"learning_rate": 0.0}, ValueError, "learning_rate"),
+        ({"learning_rate": float("nan")}, ValueError, "learning_rate"),
+        ({"beta1": 1.0}, ValueError, "beta1"),
+        ({"beta2": -0.1}, ValueError, "beta2"),
+        ({"weight_decay": -1e-4}, ValueError, "weight_decay"),
+        ({"label_smoothing": 1.5}, ValueError, "label_smoothing"),
+        ({"log_every": 0}, ValueError, "log_every"),
+        ({"checkpoint_every": 0}, ValueError, "checkpoint_every"),
+        ({"num_histories": 0}, ValueError, "num_histories"),
+        ({"eval_tasks": 0}, ValueError, "eval_tasks"),
+        ({"steps": 2.5}, TypeError, "steps"),
+        # the model's fields, checked by the model's config with placeholder environment sizes
+        ({"d_model": 0}, ValueError, "d_model"),
+        ({"d_model": 48, "num_heads": 5}, ValueError, "num_heads"),
+        ({"model": "headless_ad", "embed_dim": 0}, ValueError, "embed_dim"),
+        ({"model": "headless_ad", "tau": -1.0}, ValueError, "tau"),
+        ({"residual_dropout": 1.0}, ValueError, "residual_dropout"),
+    ],
+)
+def test_train_config_refuses_bad_values_before_any_data(overrides, error, name):
+    with pytest.raises(error, match=name):
+        TrainConfig(**overrides)
+
+
 # =================================================================================================
 # command lines
 # =================================================================================================
@@ -470,6 +524,8 @@ CLI_CASES = [
     ("icrl-train", ["--ngram-sizes", "1,x"], "argument --ngram-sizes: expected int values, got '1,x'"),
     ("icrl-train", ["--ngram-sizes", "0"], "ngram_sizes must be ints >= 1"),
     ("icrl-train", ["--seed", "-1"], "seed must be >= 0"),
+    ("icrl-train", ["--grad-clip", "0"], "grad_clip must be > 0"),
+    ("icrl-train", ["--d-model", "0"], "d_model must be >= 1"),
     ("icrl-train", ["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N"),
     ("icrl-data", ["generate", "--env", "foo", "-o", "x.icrl"], "env must be one of"),
     ("icrl-headless", ["--experiment", "foo"], "experiment must be one of"),

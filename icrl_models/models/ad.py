@@ -58,24 +58,32 @@ class ADConfig:
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("num_states", "num_actions", "num_rewards", "seq_len", "d_model", "num_heads"):
+        check_backbone_fields(self)
+        for name in ("num_actions", "num_rewards"):
             check_int(getattr(self, name), name, low=1)
-        for name in ("observation_dim", "num_layers"):
-            check_int(getattr(self, name), name, low=0)
-        for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
-            if not 0.0 <= check_float(getattr(self, name), name, low=0.0) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        check_int(self.num_layers, "num_layers", low=0)
         if isinstance(self.ngram_sizes, (str, bytes)) or not hasattr(self.ngram_sizes, "__iter__"):
             raise TypeError(f"ngram_sizes must be a tuple of ints, got {self.ngram_sizes!r}")
         self.ngram_sizes = tuple(check_int(n, "ngram_sizes", low=1) for n in self.ngram_sizes)
-        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"d_model ({self.d_model}) must split into num_heads ({self.num_heads}) even widths")
         if self.ngram_tokens not in NGRAM_TOKEN_MODES:
             raise ValueError(f"ngram_tokens must be one of {NGRAM_TOKEN_MODES}, got {self.ngram_tokens!r}")
         if self.num_layers < 0 or self.num_layers + len(self.ngram_sizes) == 0:
             raise ValueError("the model needs at least one block (num_layers or ngram_sizes)")
         if self.ngram_sizes and self.observation_dim:
             raise ValueError("n-gram layers match discrete state ids; they cannot use vector observations")
+
+
+def check_backbone_fields(config) -> None:
+    """Check the transformer fields that AD and Headless-AD configs share (sizes, dropouts, head split);
+    a ``ValueError`` / ``TypeError`` naming the field."""
+    for name in ("num_states", "seq_len", "d_model", "num_heads"):
+        check_int(getattr(config, name), name, low=1)
+    check_int(config.observation_dim, "observation_dim", low=0)
+    for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
+        if not 0.0 <= check_float(getattr(config, name), name, low=0.0) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")
+    if config.d_model % config.num_heads or (config.d_model // config.num_heads) % 2:
+        raise ValueError(f"d_model ({config.d_model}) must split into num_heads ({config.num_heads}) even widths")
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

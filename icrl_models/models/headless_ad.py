@@ -46,8 +46,8 @@ from torch import nn
 
 from icrl_kernels import ActionMap
 
-from .._checks import check_generator
-from .ad import ADModel, Block, CausalSelfAttention, KVCache
+from .._checks import check_float, check_generator, check_int
+from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields
 
 #: How a step becomes tokens: one joint token, or separate action, reward and state tokens.
 STEP_TOKENS = ("joint", "separate")
@@ -89,15 +89,14 @@ class HeadlessADConfig:
         return 1 if self.step_tokens == "joint" else 3
 
     def __post_init__(self) -> None:
-        if self.d_model % self.num_heads or (self.d_model // self.num_heads) % 2:
-            raise ValueError(f"d_model ({self.d_model}) must split into num_heads ({self.num_heads}) even widths")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if not self.tau > 0:
+        check_backbone_fields(self)
+        check_int(self.embed_dim, "embed_dim", low=1)
+        check_int(self.num_layers, "num_layers", low=1)
+        if not check_float(self.tau, "tau") > 0:
             raise ValueError(f"tau must be > 0, got {self.tau}")
         if self.step_tokens not in STEP_TOKENS:
             raise ValueError(f"step_tokens must be one of {STEP_TOKENS}, got {self.step_tokens!r}")
-        if self.select_tau is not None and not self.select_tau > 0:
+        if self.select_tau is not None and not check_float(self.select_tau, "select_tau") > 0:
             raise ValueError(f"select_tau must be > 0 (or None: tau), got {self.select_tau}")
 
 
