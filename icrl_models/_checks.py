@@ -98,3 +98,34 @@ def check_finite(array: np.ndarray, name: str) -> np.ndarray:
     if not np.isfinite(array).all():
         raise ValueError(f"{name} must be finite, got NaN or infinite values")
     return array
+
+
+#: Optimiser and schedule fields the training configs share (icrl-train and the experiments), by the range
+#: each must lie in. torch would take some wrong values without a word (clipping gradients to a norm <= 0
+#: zeroes every update or flips its sign) and refuse others only once training starts, after the data.
+TRAINING_FIELD_RANGES = (
+    ("> 0", lambda value: value > 0, ("learning_rate", "grad_clip")),
+    (">= 0", lambda value: value >= 0, ("weight_decay",)),
+    ("in [0, 1)", lambda value: 0 <= value < 1, ("beta1", "beta2", "label_smoothing", "dropout")),
+)
+#: Integer fields of the same configs: counts >= 1 (``step % checkpoint_every``), and ``warmup_steps >= 0``.
+TRAINING_COUNTS = ("steps", "batch_size", "log_every", "checkpoint_every")
+
+
+def check_training_fields(config) -> None:
+    """Check the optimiser and schedule fields that ``config`` has (see :data:`TRAINING_FIELD_RANGES` and
+    :data:`TRAINING_COUNTS`); a field it lacks, or one still ``None`` (a preset fills it later), is skipped.
+    Raises ``TypeError`` / ``ValueError`` naming the field."""
+
+    def present(names):
+        return [name for name in names if getattr(config, name, None) is not None]
+
+    for name in present(TRAINING_COUNTS):
+        check_int(getattr(config, name), name, low=1)
+    for name in present(("warmup_steps",)):
+        check_int(getattr(config, name), name, low=0)
+    for bounds, inside, names in TRAINING_FIELD_RANGES:
+        for name in present(names):
+            value = check_float(getattr(config, name), name)  # finite: NaN and inf fail here
+            if not inside(value):
+                raise ValueError(f"{name} must be {bounds}, got {value}")

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ._checks import check_float, check_int
+from ._checks import check_int, check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
@@ -171,25 +171,16 @@ class TrainConfig:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
-        # Everything is checked here, before minutes of data generation, so a typo fails at once; an
-        # optimiser value torch would accept can still be wrong (grad_clip <= 0 zeroes or flips every step).
-        for name in (
-            "steps", "batch_size", "seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task",
-            "num_histories", "source_episodes", "checkpoint_every", "log_every",
-        ):  # fmt: skip
+        # Everything is checked here, before minutes of data generation, so that a typo fails at once.
+        check_training_fields(self)
+        for name in ("seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task", "num_histories",
+                     "source_episodes"):  # fmt: skip
             check_int(getattr(self, name), name, low=1)
         for name in ("num_train_tasks", "episode_length", "eval_tasks"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, low=1)
-        for name in ("seed", "warmup_steps", "eval_every"):
+        for name in ("seed", "eval_every"):
             check_int(getattr(self, name), name, low=0)
-        for name in ("learning_rate", "grad_clip"):
-            if not check_float(getattr(self, name), name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        check_float(self.weight_decay, "weight_decay", low=0.0)
-        for name in ("beta1", "beta2", "label_smoothing"):
-            if not 0.0 <= check_float(getattr(self, name), name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if any(n < 1 for n in self.ngram_sizes):
             raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
         # The model's own checks, with placeholder environment sizes (the data's are not known yet).

@@ -487,6 +487,46 @@ def test_train_config_refuses_bad_values_before_any_data(overrides, error, name)
         TrainConfig(**overrides)
 
 
+@pytest.mark.parametrize(
+    "experiment, config_class",
+    [("markov_heads", "MarkovConfig"), ("looped", "LoopedExperimentConfig"), ("induction_heads", "InductionConfig")],
+)
+@pytest.mark.parametrize(
+    "overrides, error, name",
+    [
+        ({"learning_rate": -1e-3}, ValueError, "learning_rate"),
+        ({"learning_rate": float("inf")}, ValueError, "learning_rate"),
+        ({"warmup_steps": -1}, ValueError, "warmup_steps"),
+        ({"steps": 0}, ValueError, "steps"),
+        ({"batch_size": 1.5}, TypeError, "batch_size"),
+    ],
+)
+def test_experiment_configs_check_the_shared_training_fields(experiment, config_class, overrides, error, name):
+    cls = getattr(importlib.import_module(f"icrl_models.experiments.{experiment}"), config_class)
+    cls()  # the defaults (and the preset's values) pass
+    with pytest.raises(error, match=name):
+        cls(**overrides)
+
+
+@pytest.mark.parametrize(
+    "experiment, config_class, overrides, name",
+    [
+        ("markov_heads", "MarkovConfig", {"grad_clip": 0.0}, "grad_clip"),  # clip_grad_norm_ zeroed every update
+        ("markov_heads", "MarkovConfig", {"dropout": 1.0}, "dropout"),
+        ("markov_heads", "MarkovConfig", {"weight_decay": -0.1}, "weight_decay"),
+        ("looped", "LoopedExperimentConfig", {"eval_every": 0}, "eval_every"),  # was `step % 0` mid-training
+        ("looped", "LoopedExperimentConfig", {"checkpoint_every": 0}, "checkpoint_every"),
+        ("looped", "LoopedExperimentConfig", {"loops_increment": -2}, "loops_increment"),  # b would shrink
+        ("looped", "LoopedExperimentConfig", {"eval_loop_factor": 0}, "eval_loop_factor"),
+        ("induction_heads", "InductionConfig", {"weight_decay": float("nan")}, "weight_decay"),
+    ],
+)
+def test_experiment_configs_refuse_their_own_bad_fields(experiment, config_class, overrides, name):
+    cls = getattr(importlib.import_module(f"icrl_models.experiments.{experiment}"), config_class)
+    with pytest.raises(ValueError, match=name):
+        cls(**overrides)
+
+
 # =================================================================================================
 # command lines
 # =================================================================================================

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from icrl_kernels._backend import BACKENDS
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 
+from .._checks import check_int, check_training_fields
 from .._cli import command_line
 from ..analysis.induction import (
     attention_sites,
@@ -108,10 +109,9 @@ class InductionConfig(SweepOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.variants = as_tuple(self.variants, str, "variants")
-        for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "steps", "batch_size",
-                     "eval_every", "eval_batch"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_training_fields(self)
+        for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "eval_every", "eval_batch"):
+            check_int(getattr(self, name), name, low=1)
         if not 2 <= self.min_period <= self.max_period <= min(self.vocab_size, self.context_len):
             raise ValueError("need 2 <= min_period <= max_period <= min(vocab_size, context_len)")
         if not 2 <= self.eval_seq_len <= self.vocab_size or 2 * self.eval_seq_len > self.context_len:

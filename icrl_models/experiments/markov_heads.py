@@ -92,6 +92,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .._checks import check_int, check_training_fields
 from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
@@ -333,10 +334,9 @@ class MarkovConfig(SweepOptions):
         if self.markov_heads and min(self.markov_heads) < 0:
             raise ValueError(f"markov_heads must be ints >= 0, got {self.markov_heads!r}")
         self.key_to_door_task_ids()  # a bad layout fails here, before any training
-        for name in ("steps", "batch_size", "num_histories", "episodes_per_history", "eval_every",
-                     "analysis_windows", "eval_envs"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_training_fields(self)
+        for name in ("num_histories", "episodes_per_history", "eval_every", "analysis_windows", "eval_envs"):
+            check_int(getattr(self, name), name, low=1)
 
     def key_to_door_task_ids(self) -> np.ndarray:
         """Task ids ``key * 81 + door`` of :attr:`key_to_door_layouts`."""
