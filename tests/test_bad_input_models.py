@@ -519,6 +519,17 @@ def test_experiment_configs_check_the_shared_training_fields(experiment, config_
         ("looped", "LoopedExperimentConfig", {"loops_increment": -2}, "loops_increment"),  # b would shrink
         ("looped", "LoopedExperimentConfig", {"eval_loop_factor": 0}, "eval_loop_factor"),
         ("induction_heads", "InductionConfig", {"weight_decay": float("nan")}, "weight_decay"),
+        ("induction_heads", "InductionConfig", {"smear_init": float("nan")}, "smear_init"),
+        ("markov_heads", "MarkovConfig", {"markov_scale": float("inf")}, "markov_scale"),
+        # a NaN passed `min(...) <= 0` and `< 0`: the run started and used it
+        (
+            "headless_ad",
+            "HeadlessExperimentConfig",
+            {"select_temperatures": (0.5, float("nan"))},
+            "select_temperatures",
+        ),
+        ("markov_heads", "MarkovConfig", {"trial_gpus": float("nan")}, "trial_gpus"),
+        ("looped", "LoopedExperimentConfig", {"trial_cpus": float("inf")}, "trial_cpus"),
     ],
 )
 def test_experiment_configs_refuse_their_own_bad_fields(experiment, config_class, overrides, name):

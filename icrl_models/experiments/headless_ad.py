@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._checks import check_float
 from .._cli import command_line
 from ..analysis import reward_dependence
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
@@ -200,7 +201,9 @@ class HeadlessExperimentConfig(SweepOptions):
             raise ValueError(f"ablations must be 'all' or names from {tuple(ABLATIONS)}, got {unknown}")
         if self.ablations and self.experiment != "bernoulli":
             raise ValueError(f"ablations run on the bernoulli experiment only, got experiment={self.experiment!r}")
-        if not self.select_temperatures or min(self.select_temperatures) <= 0:
+        if not self.select_temperatures or not all(
+            check_float(t, "select_temperatures") > 0 for t in self.select_temperatures
+        ):  # check_float: a NaN (which min() <= 0 let through) fails too
             raise ValueError(f"select_temperatures must be one or more numbers > 0, got {self.select_temperatures}")
         if not self.eval_seeds or min(self.eval_seeds) < 0:
             raise ValueError(f"eval_seeds must be one or more ints >= 0, got {self.eval_seeds}")

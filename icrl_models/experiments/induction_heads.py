@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from icrl_kernels._backend import BACKENDS
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 
-from .._checks import check_int, check_training_fields
+from .._checks import check_float, check_int, check_training_fields
 from .._cli import command_line
 from ..analysis.induction import (
     attention_sites,
@@ -110,6 +110,8 @@ class InductionConfig(SweepOptions):
         super().__post_init__()
         self.variants = as_tuple(self.variants, str, "variants")
         check_training_fields(self)
+        check_float(self.smear_init, "smear_init")
+        check_float(self.threshold, "threshold")
         for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "eval_every", "eval_batch"):
             check_int(getattr(self, name), name, low=1)
         if not 2 <= self.min_period <= self.max_period <= min(self.vocab_size, self.context_len):

@@ -92,7 +92,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_int, check_training_fields
+from .._checks import check_float, check_int, check_training_fields
 from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
@@ -335,6 +335,7 @@ class MarkovConfig(SweepOptions):
             raise ValueError(f"markov_heads must be ints >= 0, got {self.markov_heads!r}")
         self.key_to_door_task_ids()  # a bad layout fails here, before any training
         check_training_fields(self)
+        check_float(self.markov_scale, "markov_scale")  # finite: a NaN scale would make every weight NaN
         for name in ("num_histories", "episodes_per_history", "eval_every", "analysis_windows", "eval_envs"):
             check_int(getattr(self, name), name, low=1)
 

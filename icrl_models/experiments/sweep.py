@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._checks import check_float
 from ..config import torch_threads
 
 SCHEDULERS = ("auto", "ray", "local")
@@ -58,9 +59,9 @@ class SweepOptions:
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
-        if not self.trial_cpus > 0:
+        if not check_float(self.trial_cpus, "trial_cpus") > 0:
             raise ValueError(f"trial_cpus must be > 0, got {self.trial_cpus}")
-        if self.trial_gpus is not None and self.trial_gpus < 0:
+        if self.trial_gpus is not None and not check_float(self.trial_gpus, "trial_gpus") >= 0:
             raise ValueError(f"trial_gpus must be >= 0, got {self.trial_gpus}")
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
