@@ -31,6 +31,9 @@ Stages (in order; ``--stages all`` runs them all):
 ``ngram-crossover`` the tiled against the sort n-gram kernels over ``L`` (``TILED_MAX_LENGTH``'s data)
 ``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
            ``--backend reference``: steps per second, and whether the loss falls
+``paper-goals`` issue 19's GPU run: ``icrl-compare --preset goals-paper`` with one Table 1 draw per setting
+           and seed, trials in worker processes sharing the GPU, until the stage's limit; what finished is
+           reported (commit it as ``benchmarks/results/ngram-ad-goals-paper.*``) and reused next time
 ``full-*`` the remaining benchmarks (``-m "not headline"``), one slice per op so each fits a command
 ========== ==============================================================================================
 
@@ -51,6 +54,7 @@ pass ``--wheels wheels``: they are installed into a temporary folder put first o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -512,6 +516,52 @@ def stage_train(ctx: Context) -> tuple[str, dict]:
     return status, {"runs": len(results)}
 
 
+#: Where the ``paper-goals`` stage's results are committed; a later session's stage reads them back
+#: (``--reuse-results``), so the slice grows across GPU sessions instead of starting again.
+PAPER_GOALS_RESULTS = ROOT / "benchmarks" / "results" / "ngram-ad-goals-paper.json"
+#: Trials at a time in the ``paper-goals`` stage, one torch thread each, all on the one GPU. A guess for a
+#: 16-core machine (each run was host-bound at width 64 on an H200: 81 steps per second alone), to be tuned.
+PAPER_GOALS_WORKERS = 8
+#: Seconds of the stage kept for the ``--report-only`` pass after the sweep is stopped at its limit.
+PAPER_GOALS_REPORT_SECONDS = 45
+
+
+def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
+    """The N-Gram AD paper preset (``icrl-compare --preset goals-paper``: 10k steps a run, every held-out
+    goal) with one Table 1 draw per setting and seed (the first of the preset's 500: 3 settings x 3 seeds x 2
+    models = 18 runs), trials in worker processes on the GPU, trials already in :data:`PAPER_GOALS_RESULTS`
+    reused. At the stage's limit the sweep is stopped and a ``--report-only`` pass writes what finished
+    (``paper-goals.{json,md,png}``: commit them as ``benchmarks/results/ngram-ad-goals-paper.*``)."""
+    runs_dir = Path(tempfile.mkdtemp(prefix="gpu_check_paper_goals_"))
+    flags = ["--preset", "goals-paper", "--runs", "1", "--scheduler", "processes", "--trial-cpus", "1",
+             "--workers", str(PAPER_GOALS_WORKERS), "--out-dir", str(runs_dir), "--no-progress"]  # fmt: skip
+    if ctx.dry_run:  # the plumbing only: one setting and seed, a tiny model, two worker processes
+        flags += ["--num-train-tasks", "10", "--seeds", "0", "--steps", "2", "--num-histories", "6",
+                  "--source-episodes", "20", "--eval-tasks", "2", "--eval-episodes", "2", "--eval-envs-per-task",
+                  "1", "--d-model", "16", "--num-heads", "2", "--num-layers", "1", "--batch-size", "4",
+                  "--backend", "eager", "--workers", "2"]  # fmt: skip
+    elif PAPER_GOALS_RESULTS.exists():
+        flags += ["--reuse-results", str(PAPER_GOALS_RESULTS)]
+    command = [sys.executable, "-m", "icrl_models.experiments.ngram_ad", *flags]
+    sweep = dataclasses.replace(ctx, deadline=ctx.deadline - PAPER_GOALS_REPORT_SECONDS)
+    code = sweep.run(command, "paper-goals.log")
+    if code != 0:  # stopped at its limit (or failed): report the runs that finished
+        ctx.run([*command, "--report-only"], "paper-goals.log")
+    copied = []
+    for suffix in ("json", "md", "png"):
+        result = runs_dir / f"ngram-ad-goals.{suffix}"
+        if result.exists():
+            shutil.copyfile(result, ctx.out / f"paper-goals.{suffix}")
+            copied.append(suffix)
+    details = {"exit": code, "files": copied}
+    if "json" in copied:
+        trials = json.loads(result.with_suffix(".json").read_text())["trials"]
+        details["trials"] = {status: sum(t["status"] == status for t in trials) for status in
+                             sorted({t["status"] for t in trials})}  # fmt: skip
+    status = "timed out" if code == 124 else "passed" if code == 0 else "failed"
+    return status, details
+
+
 def _full_stage(name: str, files: list[str], expression: str | None) -> Callable[[Context], tuple[str, dict]]:
     def stage(ctx: Context) -> tuple[str, dict]:
         args = [*files, "-m", "not headline"] + (["-k", expression] if expression else [])
@@ -534,6 +584,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
                         "fp32 and bf16 (TILED_MAX_LENGTH)"),
     "train": (stage_train, "~3-5 min (estimate): 400 steps of icrl-train, the main job and N-Gram AD at width "
               "512, each with the fused kernels and with --backend reference, after 200 histories are generated"),
+    "paper-goals": (stage_paper_goals, "up to its limit: icrl-compare --preset goals-paper --runs 1 (18 runs of 10k "
+                    f"steps, {PAPER_GOALS_WORKERS} at a time on the GPU); stopped at the limit, finished runs "
+                    "reported and reused by the next session (no estimate: never run)"),
     **{name: (_full_stage(name, files, expression), "up to 8 min: stopped at --timeout, results kept")
        for name, files, expression in FULL_SLICES},
 }  # fmt: skip

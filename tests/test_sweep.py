@@ -1,5 +1,6 @@
-"""Experiment trials on Ray Tune (the ``sweep`` extra): a killed sweep resumes without rerunning what finished,
-and gathers the same results as the sequential path. Without Ray the commands run trials one at a time."""
+"""Experiment trials on Ray Tune (the ``sweep`` extra) or in worker processes: a killed sweep resumes without
+rerunning what finished, and gathers the same results as the sequential path. Without Ray the commands run
+trials one at a time."""
 
 from __future__ import annotations
 
@@ -41,24 +42,44 @@ def local_ray():
     ray.shutdown()
 
 
-def test_killed_ray_sweep_resumes_and_matches_the_sequential_run(tmp_path, local_ray):
-    sequential = compare(CompareConfig(out_dir=str(tmp_path / "sequential"), scheduler="local", **TINY))
-    sequential_on_disk = json.loads((tmp_path / "sequential" / "compare.json").read_text())
+@pytest.fixture(scope="module")
+def sequential_sweep(tmp_path_factory):
+    """The TINY sweep run one trial at a time: its result and its ``compare.json``."""
+    out = tmp_path_factory.mktemp("sequential")
+    result = compare(CompareConfig(out_dir=str(out), scheduler="local", **TINY))
+    return result, json.loads((out / "compare.json").read_text())
 
-    config = CompareConfig(out_dir=str(tmp_path / "ray"), scheduler="ray", trial_cpus=1, **TINY)
+
+def _resume_killed_sweep(config: CompareConfig) -> dict:
+    """``compare(config)`` after a kill that left the first two of its four trials finished and the others
+    never started."""
     trials = build_trials(config)
     assert len(trials) == 4
-    # A sweep killed after its first two trials finished: their runs are complete, the others never started.
     prepare_data(trials, progress=False)
     for trial in trials[:2]:
         run_trial(trial.config)
-    resumed = compare(config)
+    return compare(config)
+
+
+@pytest.mark.parametrize("scheduler", ["ray", "processes"])
+def test_killed_sweep_resumes_and_matches_the_sequential_run(tmp_path, request, sequential_sweep, scheduler):
+    if scheduler == "ray":
+        request.getfixturevalue("local_ray")
+    sequential, sequential_on_disk = sequential_sweep
+    config = CompareConfig(out_dir=str(tmp_path / scheduler), scheduler=scheduler, trial_cpus=1, workers=2, **TINY)
+    resumed = _resume_killed_sweep(config)
 
     assert [trial["status"] for trial in resumed["trials"]] == ["reused", "reused", "trained", "trained"]
     assert _comparable(resumed) == _comparable(sequential)
-    on_disk = json.loads((tmp_path / "ray" / "compare.json").read_text())
+    on_disk = json.loads((tmp_path / scheduler / "compare.json").read_text())
     assert _comparable(on_disk) == _comparable(sequential_on_disk)
-    assert (tmp_path / "ray" / "ray").is_dir()  # Ray Tune's own records stay inside the sweep's folder
+    # The scheduler's own records (Ray Tune's; the worker processes' trial logs) stay inside the sweep's folder.
+    records = tmp_path / scheduler / "ray"
+    assert records.is_dir()
+    if scheduler == "processes":
+        logs = sorted(path.name for path in (records / "compare").glob("*.log"))
+        # Every trial goes to a worker; the two finished ones read their run folders back there.
+        assert logs == [f"trial-000{index}.log" for index in range(4)]
 
 
 def test_without_ray_trials_run_in_order_with_a_hint(monkeypatch, capsys):
@@ -74,11 +95,26 @@ def test_without_ray_trials_run_in_order_with_a_hint(monkeypatch, capsys):
         sweep.SweepOptions(scheduler="ray")
 
 
+def test_worker_processes_keep_the_trial_order_and_name_the_failures(tmp_path):
+    # dict as the runner: a builtin, so the spawned workers need nothing of this test module.
+    options = sweep.SweepOptions(scheduler="processes", workers=2)
+    seen = []
+    outcomes = sweep.run_trials([{"x": 3}, {"x": 1}, {"x": 2}], dict, options, name="n", storage=tmp_path,
+                                on_outcome=lambda index, outcome: seen.append(index))  # fmt: skip
+    assert outcomes == [{"x": 3}, {"x": 1}, {"x": 2}] and sorted(seen) == [0, 1, 2]
+    with pytest.raises(RuntimeError, match=r"trials failed in worker processes \(1: TypeError") as failure:
+        sweep.run_trials([{"x": 3}, 5, {"x": 2}], dict, options, name="bad", storage=tmp_path)
+    assert "trial-0001.log" in str(failure.value)
+    assert "TypeError" in (tmp_path / "bad" / "trial-0001.log").read_text()  # the traceback is in the trial's log
+
+
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [({"scheduler": "slurm"}, "scheduler must be one of"), ({"trial_cpus": 0}, "trial_cpus must be > 0"),
-     ({"trial_gpus": -1}, "trial_gpus must be >= 0")],
+    "kwargs, error, message",
+    [({"scheduler": "slurm"}, ValueError, "scheduler must be one of"),
+     ({"trial_cpus": 0}, ValueError, "trial_cpus must be > 0"),
+     ({"trial_gpus": -1}, ValueError, "trial_gpus must be >= 0"),
+     ({"workers": -1}, ValueError, "workers must be >= 0"), ({"workers": 1.5}, TypeError, "workers must be an int")],
 )  # fmt: skip
-def test_bad_sweep_options_name_the_field(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+def test_bad_sweep_options_name_the_field(kwargs, error, message):
+    with pytest.raises(error, match=message):
         CompareConfig(**kwargs)

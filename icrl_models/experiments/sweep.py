@@ -1,4 +1,5 @@
-"""Run an experiment's trials one after another in this process, or as Ray Tune trials (the ``sweep`` extra).
+"""Run an experiment's trials one after another in this process, in worker processes on this machine, or as
+Ray Tune trials (the ``sweep`` extra).
 
 A trial is one training run: an ``icrl-train`` run (a :class:`~icrl_models.train.TrainConfig` with its own
 run folder) for ``icrl-compare`` and ``icrl-headless --ablations``, or a small dataclass naming one run of
@@ -7,6 +8,12 @@ and the module-level function that runs one; it gets the outcomes back in the tr
 they ran, and gathers them exactly as before.
 
 * **local** (the default without Ray): a loop in this process, as the commands always ran.
+* **processes**: ``workers`` trials at a time on this machine (default: its CPUs / ``trial_cpus``), each in a
+  worker process of Python's :class:`~concurrent.futures.ProcessPoolExecutor` (started with ``spawn``, so
+  each has its own CUDA context) with ``trial_cpus`` torch threads. Every trial uses this machine's default
+  device: on a one-GPU machine the trials share the GPU, which pays where each run is bound by its host
+  (small models, Python-side launches) rather than by the GPU. A trial's output goes to its log,
+  ``<storage>/<name>/trial-<index>.log``. Needs nothing beyond the standard library (no Ray).
 * **ray** (the default when ``ray[tune]`` is installed): each config is one Ray Tune trial on a Ray
   instance started inside this process (this machine's CPUs and GPUs), or on the cluster at
   ``ray_address``. A trial asks for ``trial_cpus`` CPUs (its run uses that many torch threads) and
@@ -19,20 +26,27 @@ with :func:`reuse_or_run`. Rerunning a killed sweep's command therefore trains o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import multiprocessing
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_float
+from .._checks import check_float, check_int
 from ..config import torch_threads
 
-SCHEDULERS = ("auto", "ray", "local")
-SWEEP_HINT = "(runs trials one at a time; pip install 'icrl-kernels[sweep]' runs them in parallel on Ray Tune)"
+SCHEDULERS = ("auto", "ray", "processes", "local")
+SWEEP_HINT = (
+    "(runs trials one at a time; --scheduler processes runs them in parallel here, "
+    "pip install 'icrl-kernels[sweep]' on Ray Tune)"
+)
 
 
 def ray_tune_available() -> bool:
@@ -46,14 +60,23 @@ class SweepOptions:
 
     scheduler: str = dataclasses.field(
         default="auto",
-        metadata={"help": "auto (Ray Tune if installed, else one trial at a time), ray or local"},
+        metadata={
+            "help": "auto (Ray Tune if installed, else one trial at a time), ray, processes (worker "
+            "processes on this machine, no Ray) or local"
+        },
     )
     ray_address: str | None = dataclasses.field(
         default=None, metadata={"help": "Ray cluster to run on, e.g. ray://head:10001 (default: start Ray here)"}
     )
-    trial_cpus: float = dataclasses.field(default=1.0, metadata={"help": "CPUs per Ray trial (its torch threads)"})
+    trial_cpus: float = dataclasses.field(
+        default=1.0, metadata={"help": "CPUs per Ray or processes trial (its torch threads)"}
+    )
     trial_gpus: float | None = dataclasses.field(
         default=None, metadata={"help": "GPUs per Ray trial (default: 1 where the cluster has GPUs, else 0)"}
+    )
+    workers: int = dataclasses.field(
+        default=0,
+        metadata={"help": "trials at a time with --scheduler processes (0: the CPUs here / trial_cpus)"},
     )
 
     def __post_init__(self) -> None:
@@ -63,6 +86,7 @@ class SweepOptions:
             raise ValueError(f"trial_cpus must be > 0, got {self.trial_cpus}")
         if self.trial_gpus is not None and not check_float(self.trial_gpus, "trial_gpus") >= 0:
             raise ValueError(f"trial_gpus must be >= 0, got {self.trial_gpus}")
+        self.workers = check_int(self.workers, "workers", low=0)
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
 
@@ -86,20 +110,26 @@ def run_trials(
     storage: str | Path,
     on_outcome: Callable[[int, dict], None] | None = None,
 ) -> list[dict]:
-    """``[runner(config) for config in configs]``, locally or as Ray Tune trials (see the module docstring).
+    """``[runner(config) for config in configs]``, locally, in worker processes or as Ray Tune trials (see the
+    module docstring).
 
     Args:
         configs: one trial each (a ``TrainConfig`` with its own ``out_dir``, or an experiment's trial).
         runner: runs one trial (train, evaluate, score); returns a JSON-serialisable dict. Must be a
-            module-level function (Ray sends it to its workers by reference). On Ray it runs with
-            ``trial_cpus`` torch threads.
-        options: the scheduler and the resources of a Ray trial.
-        name, storage: Ray Tune's experiment name and the folder of its own records (under the sweep's
-            output folder); unused locally.
+            module-level function (Ray and worker processes import it by name). On Ray and in worker
+            processes it runs with ``trial_cpus`` torch threads.
+        options: the scheduler and the resources of a trial.
+        name, storage: the experiment's name and the folder of the scheduler's own records (under the
+            sweep's output folder): Ray Tune's, or the trial logs of worker processes; unused locally.
         on_outcome: called with ``(index, outcome)`` as each trial finishes (locally: in order).
     Returns:
         the outcomes, in the order of ``configs``.
+    Raises:
+        RuntimeError: on Ray or in worker processes, after the other trials finished, naming each trial
+            that failed (locally a trial's exception propagates at once).
     """
+    if options.scheduler == "processes":
+        return _run_in_processes(configs, runner, options, log_dir=Path(storage) / name, on_outcome=on_outcome)
     if not options.uses_ray(len(configs)):
         if len(configs) > 1 and options.scheduler == "auto":
             print(f"icrl: {len(configs)} trials {SWEEP_HINT}", file=sys.stderr)
@@ -140,10 +170,7 @@ def _run_on_ray(
     gpus = options.trial_gpus
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    threads = max(1, int(options.trial_cpus))
-    # A trial's torch threads follow its CPU share (_ray_trial). icrl-train runs set their own from
-    # TrainConfig.threads: its automatic 0 becomes the share too; an explicit --threads of the sweep wins.
-    configs = [dataclasses.replace(c, threads=threads) if getattr(c, "threads", None) == 0 else c for c in configs]
+    threads, configs = _with_trial_threads(configs, options)
     trainable = tune.with_resources(
         tune.with_parameters(_ray_trial, configs=configs, runner=runner, threads=threads),
         {"cpu": options.trial_cpus, "gpu": gpus},
@@ -167,6 +194,78 @@ def _run_on_ray(
     if errors or any(outcome is None for outcome in outcomes):
         missing = [configs[i].out_dir for i, outcome in enumerate(outcomes) if outcome is None]
         raise RuntimeError(f"Ray Tune trials failed ({'; '.join(errors) or 'no result'}): {missing}")
+    return outcomes  # type: ignore[return-value]
+
+
+def _with_trial_threads(configs: Sequence[Any], options: SweepOptions) -> tuple[int, list[Any]]:
+    """A trial's torch threads (its CPU share, ``trial_cpus``) and the configs to run. icrl-train runs set
+    their own threads from ``TrainConfig.threads``: its automatic 0 becomes the share too; an explicit
+    ``--threads`` of the sweep wins."""
+    threads = max(1, int(options.trial_cpus))
+    return threads, [
+        dataclasses.replace(c, threads=threads) if getattr(c, "threads", None) == 0 else c for c in configs
+    ]
+
+
+def _available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the platform tells it, e.g. in a container)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _process_trial(job: tuple[int, Callable[[Any], dict], Any, int, str]) -> tuple[int, dict | None, str | None]:
+    """Trial ``index`` in a worker process: ``runner(config)`` with ``threads`` torch threads, its output
+    (prints, progress bars, warnings, a traceback) written to ``log_path``. Returns ``(index, outcome, None)``,
+    or ``(index, None, "ErrorType: message")`` where the trial raised (the other trials go on)."""
+    index, runner, config, threads, log_path = job
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        try:
+            with torch_threads(threads):
+                return index, runner(config), None
+        except Exception as error:  # noqa: BLE001 -- reported with the trial's name once all have ended
+            traceback.print_exc()
+            return index, None, f"{type(error).__name__}: {error}"
+
+
+def _run_in_processes(
+    configs: Sequence[Any],
+    runner: Callable[[Any], dict],
+    options: SweepOptions,
+    *,
+    log_dir: Path,
+    on_outcome: Callable[[int, dict], None] | None,
+) -> list[dict]:
+    """The ``processes`` scheduler: ``options.workers`` trials at a time (0: the CPUs here / ``trial_cpus``) in
+    ``spawn``-ed worker processes; each outcome is reported as it arrives, failures after all trials ended.
+    An interrupt (Ctrl-C, a time limit's SIGINT) or a failing ``on_outcome`` terminates the workers at once."""
+    threads, configs = _with_trial_threads(configs, options)
+    workers = options.workers or max(1, int(_available_cpus() // options.trial_cpus))
+    workers = max(1, min(workers, len(configs)))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logs = [log_dir / f"trial-{index:04d}.log" for index in range(len(configs))]
+    print(f"icrl: {len(configs)} trials, {workers} at a time in worker processes (logs in {log_dir})", file=sys.stderr)
+    outcomes: list[dict | None] = [None] * len(configs)
+    errors = []
+    # spawn, not fork: a forked child of a process that has touched CUDA (or holds torch's thread pools) breaks.
+    # One trial per worker process (maxtasksperchild=1): each starts clean, as a trial of its own command would.
+    pool = multiprocessing.get_context("spawn").Pool(workers, maxtasksperchild=1)
+    try:
+        jobs = [(index, runner, config, threads, str(logs[index])) for index, config in enumerate(configs)]
+        for index, outcome, error in pool.imap_unordered(_process_trial, jobs):
+            if error is not None:
+                errors.append(f"{index}: {error} (log: {logs[index]})")
+                continue
+            outcomes[index] = outcome
+            if on_outcome is not None:
+                on_outcome(index, outcome)
+        pool.close()
+    except BaseException:
+        pool.terminate()  # a queued or running trial would otherwise run to its end before this process exits
+        raise
+    finally:
+        pool.join()
+    if errors:
+        missing = [getattr(configs[i], "out_dir", i) for i, outcome in enumerate(outcomes) if outcome is None]
+        raise RuntimeError(f"trials failed in worker processes ({'; '.join(errors)}): {missing}")
     return outcomes  # type: ignore[return-value]
 
 
