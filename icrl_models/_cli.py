@@ -3,7 +3,8 @@
 :func:`command_line` wraps a ``main(argv) -> int``. A *user error* (a bad flag value, a missing or
 corrupt file: see :data:`USER_ERRORS`) prints ``"<prog>: error: <message>"`` on one line of stderr and
 returns 2, as ``argparse``'s ``parser.error`` does for a malformed command line. Anything else is a bug
-and keeps its traceback. ``ICRL_TRACEBACK=1`` in the environment shows the traceback of user errors too.
+and keeps its traceback, except a :class:`ReportedFailure` (failed sweep trials, whose tracebacks are in their
+logs): one line, exit status 1. ``ICRL_TRACEBACK=1`` in the environment shows the traceback of both too.
 
 The split follows the library's convention: every check of a caller's input raises ``ValueError``
 (:class:`~icrl_models.data.DatasetError` and :class:`~icrl_models.checkpoint.CheckpointError` are
@@ -38,6 +39,15 @@ class UsageError(ValueError):
     """A command-line mistake the user can fix (a flag value that is out of range, a device that is absent)."""
 
 
+class ReportedFailure(RuntimeError):
+    """A failure whose details (tracebacks) are already written elsewhere, e.g. the failed trials of a sweep
+    with their logs: printed as one line naming them, exit status 1 (a traceback here would show only
+    where the failure was collected)."""
+
+
+EXIT_FAILURE = 1
+
+
 def one_line(error: BaseException) -> str:
     """The message of ``error`` squeezed onto one line (some exceptions carry several)."""
     text = " ".join(part.strip() for part in str(error).splitlines() if part.strip())
@@ -59,6 +69,11 @@ def command_line(prog: str) -> Callable[[Callable[..., int | None]], Callable[..
                     raise
                 print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
                 return EXIT_USAGE
+            except ReportedFailure as error:
+                if os.environ.get("ICRL_TRACEBACK"):
+                    raise
+                print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+                return EXIT_FAILURE
             except KeyboardInterrupt:
                 print(f"{prog}: interrupted", file=sys.stderr)
                 return EXIT_INTERRUPTED

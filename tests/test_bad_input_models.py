@@ -644,6 +644,23 @@ def test_cli_bugs_keep_their_traceback(monkeypatch):
         compare_module.main([])
 
 
+def test_cli_failed_sweep_trials_are_one_line_and_exit_1(monkeypatch, capsys):
+    import icrl_models.experiments.ngram_ad as compare_module
+    from icrl_models.experiments.sweep import TrialsFailed
+
+    def failing(config, **kwargs):
+        raise TrialsFailed("trials failed in worker processes (1: ValueError: bad (log: runs/trial-0001.log)): [1]")
+
+    monkeypatch.setattr(compare_module, "compare", failing)
+    monkeypatch.delenv("ICRL_TRACEBACK", raising=False)
+    assert compare_module.main([]) == 1  # not 2: the trials failed, the command line was fine
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("icrl-compare: error: trials failed in worker processes")
+    monkeypatch.setenv("ICRL_TRACEBACK", "1")
+    with pytest.raises(TrialsFailed):
+        compare_module.main([])
+
+
 def test_cli_traceback_on_request(monkeypatch):
     monkeypatch.setenv("ICRL_TRACEBACK", "1")
     with pytest.raises(ValueError, match="env must be one of"):

@@ -102,7 +102,7 @@ def test_worker_processes_keep_the_trial_order_and_name_the_failures(tmp_path):
     outcomes = sweep.run_trials([{"x": 3}, {"x": 1}, {"x": 2}], dict, options, name="n", storage=tmp_path,
                                 on_outcome=lambda index, outcome: seen.append(index))  # fmt: skip
     assert outcomes == [{"x": 3}, {"x": 1}, {"x": 2}] and sorted(seen) == [0, 1, 2]
-    with pytest.raises(RuntimeError, match=r"trials failed in worker processes \(1: TypeError") as failure:
+    with pytest.raises(sweep.TrialsFailed, match=r"trials failed in worker processes \(1: TypeError") as failure:
         sweep.run_trials([{"x": 3}, 5, {"x": 2}], dict, options, name="bad", storage=tmp_path)
     assert "trial-0001.log" in str(failure.value)
     assert "TypeError" in (tmp_path / "bad" / "trial-0001.log").read_text()  # the traceback is in the trial's log

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import check_float, check_int
+from .._cli import ReportedFailure
 from ..config import torch_threads
 
 SCHEDULERS = ("auto", "ray", "processes", "local")
@@ -47,6 +48,10 @@ SWEEP_HINT = (
     "(runs trials one at a time; --scheduler processes runs them in parallel here, "
     "pip install 'icrl-kernels[sweep]' on Ray Tune)"
 )
+
+
+class TrialsFailed(ReportedFailure):
+    """Trials of a sweep failed on Ray or in worker processes; the message names each one (with its log)."""
 
 
 def ray_tune_available() -> bool:
@@ -125,8 +130,8 @@ def run_trials(
     Returns:
         the outcomes, in the order of ``configs``.
     Raises:
-        RuntimeError: on Ray or in worker processes, after the other trials finished, naming each trial
-            that failed (locally a trial's exception propagates at once).
+        TrialsFailed: on Ray or in worker processes, after the other trials finished, naming each trial
+            that failed (locally a trial's exception propagates at once). A command prints it as one line.
     """
     if options.scheduler == "processes":
         return _run_in_processes(configs, runner, options, log_dir=Path(storage) / name, on_outcome=on_outcome)
@@ -193,7 +198,7 @@ def _run_on_ray(
             on_outcome(index, outcomes[index])
     if errors or any(outcome is None for outcome in outcomes):
         missing = [configs[i].out_dir for i, outcome in enumerate(outcomes) if outcome is None]
-        raise RuntimeError(f"Ray Tune trials failed ({'; '.join(errors) or 'no result'}): {missing}")
+        raise TrialsFailed(f"Ray Tune trials failed ({'; '.join(errors) or 'no result'}): {missing}")
     return outcomes  # type: ignore[return-value]
 
 
@@ -265,7 +270,7 @@ def _run_in_processes(
         pool.join()
     if errors:
         missing = [getattr(configs[i], "out_dir", i) for i, outcome in enumerate(outcomes) if outcome is None]
-        raise RuntimeError(f"trials failed in worker processes ({'; '.join(errors)}): {missing}")
+        raise TrialsFailed(f"trials failed in worker processes ({'; '.join(errors)}): {missing}")
     return outcomes  # type: ignore[return-value]
 
 
