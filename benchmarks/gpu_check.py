@@ -8,6 +8,7 @@ command with room to copy the files back)::
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages env,parity   # first command
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline     # ~4-5 min on an H200
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline --headline-k "bench_looped or select"
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages full-ngram,full-infonce
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages parity:240,train:160   # own limit per stage
@@ -121,6 +122,8 @@ class Context:
     env: dict[str, str]
     deadline: float = 0.0
     record: dict = field(default_factory=dict)
+    #: ``--headline-k``: a pytest ``-k`` expression narrowing the ``headline`` stage (None: every case).
+    headline_k: str | None = None
 
     @property
     def device(self) -> str:
@@ -424,7 +427,10 @@ def headline_files() -> list[str]:
 
 
 def stage_headline(ctx: Context) -> tuple[str, dict]:
-    return _benchmark_stage(ctx, "headline", [*headline_files(), "-m", "headline"])
+    """One benchmark case per target; ``--headline-k`` narrows it, e.g. to the cases an earlier session's
+    stage did not reach (``-k`` also matches file names: ``"bench_looped or bench_ad"``)."""
+    narrow = ["-k", ctx.headline_k] if ctx.headline_k else []
+    return _benchmark_stage(ctx, "headline", [*headline_files(), "-m", "headline", *narrow])
 
 
 #: The headline cases of our own kernels, and of the peers named by a target that the headline stage could not
@@ -654,6 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="rehearse every stage on the CPU under the interpreter")
     parser.add_argument("--wheels", type=Path, help="a folder of wheels to install (no network) before the stages")
     parser.add_argument("--list", action="store_true", help="print the stages with their estimates and exit")
+    parser.add_argument(
+        "--headline-k",
+        metavar="EXPR",
+        help="pytest -k expression for the headline stage (e.g. the cases an earlier run did not reach)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, (_, estimate) in STAGES.items():
@@ -667,7 +678,9 @@ def main(argv: list[str] | None = None) -> int:
     record_path = args.out / "stages.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     for name, timeout in stages:
-        ctx = Context(args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout)
+        ctx = Context(
+            args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout, headline_k=args.headline_k
+        )
         print(f"[gpu_check] {name} ...", flush=True)
         start = time.monotonic()
         try:

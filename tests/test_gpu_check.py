@@ -177,3 +177,15 @@ def test_headline_files_take_every_benchmark_once_ours_first():
     every_bench = {f"benchmarks/{path.name}" for path in (gpu_check.ROOT / "benchmarks").glob("bench_*.py")}
     assert len(files) == len(set(files)) and set(files) == every_bench
     assert files[: len(gpu_check.PROFILE_FILES)] == gpu_check.PROFILE_FILES
+
+
+def test_headline_k_narrows_the_headline_stage(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        gpu_check, "_benchmark_stage", lambda ctx, name, args, **kwargs: seen.append(args) or ("passed", {})
+    )
+    for headline_k in (None, "bench_looped or select"):
+        ctx = gpu_check.Context(tmp_path, True, 10, {}, headline_k=headline_k)
+        gpu_check.stage_headline(ctx)
+    assert seen[0][-2:] == ["-m", "headline"]
+    assert seen[1][-4:] == ["-m", "headline", "-k", "bench_looped or select"]
