@@ -232,6 +232,8 @@ def check_status_codes(
     if _value_check_mode == "off":
         return
     if synchronous_value_checks(status.device):
+        if not bool(status.any()):  # the common case, every row fine: one reduction, not one per rule
+            return
         for code, message, details in rules:
             bad = status == code
             check_values(bad.any(), message, details and (lambda b=bad, d=details: d(b)))

@@ -102,18 +102,7 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
     actions = torch.empty((batch, steps), dtype=torch.int64, device=pred.device)
     status = torch.empty((batch, steps), dtype=torch.int8, device=pred.device)
     for seqs, step_slice in _chunks(pred, num_actions):
-        logits = _chunk_logits(pred, embeds, mask, tau, seqs, step_slice)
-        # From the mask, not from the logits: a real logit may be -inf too (overflow at a tiny tau).
-        available = torch.ones(logits.shape, dtype=torch.bool, device=pred.device)
-        if mask is not None:
-            chunk_mask = mask if mask.shape[0] == 1 else mask[seqs]
-            chunk_mask = (chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, step_slice])[..., :num_actions]
-            available = available & (chunk_mask != 0)
-        is_nan = logits.isnan()
-        nan_rows = (is_nan & available).any(dim=-1)
-        status[seqs, step_slice] = torch.where(
-            available.any(dim=-1), torch.where(nan_rows, ROW_NAN_LOGIT, 0), ROW_NO_ACTION
-        ).to(torch.int8)
+        logits = _chunk_logits(pred, embeds, mask, tau, seqs, step_slice)  # -inf on unavailable actions
         if sample:
             rows = (
                 torch.arange(batch, device=pred.device)[seqs, None] * steps
@@ -121,11 +110,24 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
             )
             counter = rows[..., None] * num_actions + torch.arange(num_actions, device=pred.device)
             logits = logits + _hashed_gumbel(seed, counter)
-        scores = torch.where(available & ~is_nan, logits, float("-inf"))
-        best = scores.amax(dim=-1, keepdim=True)
-        # The lowest available id among the best (also when every available score is -inf).
-        ids = torch.arange(num_actions, device=pred.device)
-        pick = torch.where(available & (scores == best), ids, num_actions).amin(dim=-1)
+        # NaN only where the action is available (_chunk_logits filled the others with -inf).
+        is_nan = logits.isnan()
+        row_status = is_nan.any(dim=-1).to(torch.int8) * ROW_NAN_LOGIT
+        # torch.argmax takes the lowest id among equal maxima; NaN would rank highest, so it ranks lowest.
+        pick = logits.masked_fill(is_nan, float("-inf")).argmax(dim=-1)
+        if mask is not None:
+            # From the mask, not from the logits: a real logit may be -inf too (overflow at a tiny tau).
+            chunk_mask = mask if mask.shape[0] == 1 else mask[seqs]
+            chunk_mask = (chunk_mask if chunk_mask.shape[1] == 1 else chunk_mask[:, step_slice])[..., :num_actions]
+            available = chunk_mask.expand(logits.shape) != 0
+            any_available = available.any(dim=-1)
+            row_status = torch.where(any_available, row_status, ROW_NO_ACTION)
+            # Where every available score is -inf or NaN, argmax's -inf tie may be an unavailable action:
+            # take the first available one instead (the mask's first nonzero), or A where there is none.
+            first_available = torch.where(any_available, available.to(torch.uint8).argmax(dim=-1), num_actions)
+            stuck = ~(available & (logits > float("-inf"))).any(dim=-1)
+            pick = torch.where(stuck, first_available, pick)
+        status[seqs, step_slice] = row_status
         actions[seqs, step_slice] = pick
     return actions, status
 
