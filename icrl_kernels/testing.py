@@ -204,8 +204,10 @@ def compile_for_gpu_offline(
     sample ``int`` / ``float`` specialised as a launch would: ``1`` becomes a constant, multiples of
     16 get the divisibility hint that lets loads vectorise. ``constexprs`` gives every ``tl.constexpr``.
     Names the kernel does not take are ignored (one pair of dicts can serve a forward and a backward).
-    Returns ``{"name", "registers", "stack", "shared"}``: registers per thread and stack bytes per
-    thread (register spills: Triton inlines every call) from the cubin, shared memory bytes per program.
+    Returns ``{"name", "registers", "stack", "shared", "mma"}``: registers per thread and stack bytes per
+    thread (register spills: Triton inlines every call) from the cubin, shared memory bytes per program, and
+    the tensor-core instruction families of its dots (:func:`_mma_versions`: ``"v3"`` is Hopper's
+    warpgroup ``wgmma``, ``"v2"`` the ``mma.sync`` of earlier GPUs, ``""`` no tensor-core dot).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -218,7 +220,15 @@ def compile_for_gpu_offline(
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": num_warps, "num_stages": num_stages},
     )
-    return {"name": fn.__name__, **_resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+    return {"name": fn.__name__, **_resource_usage(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+            "mma": _mma_versions(compiled.asm["ttgir"])}  # fmt: skip
+
+
+def _mma_versions(ttgir: str) -> str:
+    """The tensor-core MMA versions a compiled kernel's dots use, from their layouts in its Triton GPU IR:
+    e.g. ``"v3"`` (Hopper ``wgmma``: needs 64-row tiles per warpgroup) or ``"v2+v3"``; ``""`` for none."""
+    versions = sorted(set(re.findall(r"#ttg\.nvidia_mma<\{versionMajor = (\d+)", ttgir)))
+    return "+".join(f"v{version}" for version in versions)
 
 
 class CompileJob(NamedTuple):
@@ -304,7 +314,7 @@ def offline_compilation_unavailable(arch: int = 90) -> str | None:
 
 
 #: Report fields printed first, in this order; the rest follow (shapes, flags).
-_REPORT_COLUMNS = ("name", "config", "dtype", "registers", "stack", "shared")
+_REPORT_COLUMNS = ("name", "config", "dtype", "registers", "stack", "shared", "mma")
 
 
 def run_offline_compile(code: str, *, arch: int = 90, timeout: float = 600) -> list[dict]:

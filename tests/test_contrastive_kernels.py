@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 import warnings
 import zlib
 from typing import NamedTuple
@@ -1519,3 +1520,10 @@ def test_kernels_compile_for_sm90_offline():
                                     "_infonce_grad_embeds_kernel", "_select_actions_kernel"})  # fmt: skip
     heavy = [report for report in reports if report["shared"] > MAX_SHARED_BYTES]
     assert not heavy, f"shared memory above {MAX_SHARED_BYTES} bytes: {heavy}"
+    # InfoNCE at A >= 4096 is bound by its dots (the H200 profile: 88-100% device-busy). On Hopper, tiles of
+    # 64 rows or more must compile to warpgroup MMA (wgmma, "v3"); 32-row tiles get mma.sync ("v2"). A
+    # change of layout or operand that makes a dot ineligible would halve its peak without failing a test.
+    half_tiles = [r for r in reports if r["dtype"] == "bf16" and int(re.search(r"BLOCK_N(\d+)", r["config"])[1]) >= 64]
+    assert {r["name"] for r in half_tiles} >= {"_infonce_forward_kernel", "_infonce_grad_pred_kernel"}
+    not_wgmma = [(r["name"], r["config"], r["A"], r["mask"], r["mma"]) for r in half_tiles if "v3" not in r["mma"]]
+    assert not not_wgmma, f"bf16 tiles of >= 64 rows without wgmma on sm_90: {not_wgmma}"
