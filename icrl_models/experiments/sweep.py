@@ -9,8 +9,8 @@ they ran, and gathers them exactly as before.
 
 * **local** (the default without Ray): a loop in this process, as the commands always ran.
 * **processes**: ``workers`` trials at a time on this machine (default: its CPUs / ``trial_cpus``), each in a
-  worker process of Python's :class:`~concurrent.futures.ProcessPoolExecutor` (started with ``spawn``, so
-  each has its own CUDA context) with ``trial_cpus`` torch threads. Every trial uses this machine's default
+  fresh worker process of a :mod:`multiprocessing` pool (started with ``spawn``, so each has its own CUDA
+  context; one trial per process) with ``trial_cpus`` torch threads. Every trial uses this machine's default
   device: on a one-GPU machine the trials share the GPU, which pays where each run is bound by its host
   (small models, Python-side launches) rather than by the GPU. A trial's output goes to its log,
   ``<storage>/<name>/trial-<index>.log``. Needs nothing beyond the standard library (no Ray).
