@@ -561,7 +561,7 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
             copied.append(suffix)
     details = {"exit": code, "files": copied}
     if "json" in copied:
-        trials = json.loads(result.with_suffix(".json").read_text())["trials"]
+        trials = json.loads((runs_dir / "ngram-ad-goals.json").read_text())["trials"]
         details["trials"] = {status: sum(t["status"] == status for t in trials) for status in
                              sorted({t["status"] for t in trials})}  # fmt: skip
     status = "timed out" if code == 124 else "passed" if code == 0 else "failed"
