@@ -67,6 +67,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -539,13 +540,14 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
     reused. At the stage's limit the sweep is stopped and a ``--report-only`` pass writes what finished
     (``paper-goals.{json,md,png}``: commit them as ``benchmarks/results/ngram-ad-goals-paper.*``)."""
     runs_dir = Path(tempfile.mkdtemp(prefix="gpu_check_paper_goals_"))
+    workers = 2 if ctx.dry_run else PAPER_GOALS_WORKERS
     flags = ["--preset", "goals-paper", "--runs", "1", "--scheduler", "processes", "--trial-cpus", "1",
-             "--workers", str(PAPER_GOALS_WORKERS), "--out-dir", str(runs_dir), "--no-progress"]  # fmt: skip
+             "--workers", str(workers), "--out-dir", str(runs_dir), "--no-progress"]  # fmt: skip
     if ctx.dry_run:  # the plumbing only: one setting and seed, a tiny model, two worker processes
         flags += ["--num-train-tasks", "10", "--seeds", "0", "--steps", "2", "--num-histories", "6",
                   "--source-episodes", "20", "--eval-tasks", "2", "--eval-episodes", "2", "--eval-envs-per-task",
                   "1", "--d-model", "16", "--num-heads", "2", "--num-layers", "1", "--batch-size", "4",
-                  "--backend", "eager", "--workers", "2"]  # fmt: skip
+                  "--backend", "eager"]  # fmt: skip
     elif PAPER_GOALS_RESULTS.exists():
         flags += ["--reuse-results", str(PAPER_GOALS_RESULTS)]
     command = [sys.executable, "-m", "icrl_models.experiments.ngram_ad", *flags]
@@ -562,10 +564,8 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
     details = {"exit": code, "files": copied}
     if "json" in copied:
         trials = json.loads((runs_dir / "ngram-ad-goals.json").read_text())["trials"]
-        details["trials"] = {status: sum(t["status"] == status for t in trials) for status in
-                             sorted({t["status"] for t in trials})}  # fmt: skip
-    status = "timed out" if code == 124 else "passed" if code == 0 else "failed"
-    return status, details
+        details["trials"] = dict(sorted(Counter(trial["status"] for trial in trials).items()))
+    return _status(code), details
 
 
 def _full_stage(name: str, files: list[str], expression: str | None) -> Callable[[Context], tuple[str, dict]]:
