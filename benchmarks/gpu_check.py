@@ -465,11 +465,20 @@ def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "ngram-crossover", ["benchmarks/bench_ngram_attention.py", "-k", "tiled_crossover"])
 
 
-#: The training runs of the ``train`` stage: ``(name, icrl-train flags)``, each with ``backend="auto"`` and
-#: ``"reference"``. The main job (N-Gram AD, width 64) and N-Gram AD at the paper's width 512.
+#: The training runs of the ``train`` stage: ``(name, icrl-train flags)``, each in every :data:`TRAIN_MODES`.
+#: The main job (N-Gram AD, width 64), N-Gram AD at the paper's width 512, and Headless-AD on bandits.
 TRAIN_RUNS = [
     ("main-job", []),
     ("ngram-ad-512", ["--d-model", "512", "--num-heads", "8", "--seq-len", "250", "--batch-size", "64"]),
+    ("headless-ad", ["--model", "headless_ad", "--env", "bernoulli_bandit"]),
+]
+#: ``(mode, icrl-train flags)``: the fused kernels, the same with each step replayed from a CUDA graph, and
+#: the plain-PyTorch reference. (The dry run on the CPU replaces ``auto`` by ``eager``; ``--cuda-graph``
+#: is then ignored, so that run checks the plumbing only.)
+TRAIN_MODES = [
+    ("auto", ["--backend", "auto"]),
+    ("auto+graph", ["--backend", "auto", "--cuda-graph"]),
+    ("reference", ["--backend", "reference"]),
 ]
 
 
@@ -492,30 +501,34 @@ def stage_train(ctx: Context) -> tuple[str, dict]:
     CUDA), with the fused kernels and with ``--backend reference``: steps per second, and that the loss falls."""
     steps, histories, episodes = (4, 4, 10) if ctx.dry_run else (400, 200, 100)
     runs_dir = Path(tempfile.mkdtemp(prefix="gpu_check_train_"))
-    data = runs_dir / "main-job-auto" / "train.icrl"
     common = ["--steps", str(steps), "--num-histories", str(histories), "--source-episodes", str(episodes),
               "--log-every", "1" if ctx.dry_run else "20", "--checkpoint-every", str(10 * steps), "--eval-tasks", "2",
               "--eval-episodes", "2", "--eval-envs-per-task", "1", "--device", ctx.device, "--no-progress"]  # fmt: skip
     results, codes = [], []
     for name, flags in TRAIN_RUNS:
         if ctx.dry_run:  # the plumbing only: interpreted kernels at width 512 would take many minutes
-            flags = ["--seq-len", "20", "--batch-size", "4"]
-        for backend in ("eager", "reference") if ctx.dry_run else ("auto", "reference"):
-            run_dir = runs_dir / f"{name}-{backend}"
-            reuse = ["--data", str(data)] if data.exists() else []  # the first run generates the histories
-            command = [sys.executable, "-m", "icrl_models.train", *common, *flags, *reuse, "--backend", backend,
+            flags = [*(flag for flag in flags if flag in ("--model", "headless_ad", "--env", "bernoulli_bandit")),
+                     "--seq-len", "20", "--batch-size", "4"]  # fmt: skip
+        data = None  # the first mode's run generates the histories; the others read them
+        for mode, mode_flags in TRAIN_MODES:
+            if ctx.dry_run:
+                mode_flags = [("eager" if flag == "auto" else flag) for flag in mode_flags]
+            run_dir = runs_dir / f"{name}-{mode}"
+            reuse = ["--data", str(data)] if data is not None and data.exists() else []
+            command = [sys.executable, "-m", "icrl_models.train", *common, *flags, *mode_flags, *reuse,
                        "--out-dir", str(run_dir)]  # fmt: skip
             code = ctx.run(command, "train.log")
             codes.append(code)
+            data = data or run_dir / "train.icrl"
             metrics = run_dir / "metrics.jsonl"
             trend = _loss_trend(metrics) if metrics.exists() else {"rows": 0}
-            results.append({"run": name, "backend": backend, "flags": flags, "exit": code, **trend})
+            results.append({"run": name, "mode": mode, "flags": [*flags, *mode_flags], "exit": code, **trend})
             ctx.write("train.json", results)  # after every run: a stage stopped at its limit keeps the rest
     lines = ["# Training runs (icrl-train)", "", f"{steps} steps each; loss: mean of the first / last 5 logged rows",
-             "", "| run | backend | exit | steps/s | loss first | loss last | falls |",
+             "", "| run | mode | exit | steps/s | loss first | loss last | falls |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
-        cells = [r["run"], r["backend"], r["exit"], *(f"{r[k]:.3g}" if k in r else "-" for k in
+        cells = [r["run"], r["mode"], r["exit"], *(f"{r[k]:.3g}" if k in r else "-" for k in
                  ("steps_per_second", "loss_first", "loss_last")), r.get("loss_falls", "-")]  # fmt: skip
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     ctx.write("train.md", "\n".join(lines) + "\n")
@@ -588,8 +601,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
                 "under torch.profiler: device-busy time against the median, launches, longest kernels"),
     "ngram-crossover": (stage_ngram_crossover, "~1-2 min (estimate): tiled vs sort n-gram kernels over L, "
                         "fp32 and bf16 (TILED_MAX_LENGTH)"),
-    "train": (stage_train, "~3-5 min (estimate): 400 steps of icrl-train, the main job and N-Gram AD at width "
-              "512, each with the fused kernels and with --backend reference, after 200 histories are generated"),
+    "train": (stage_train, "~5-8 min (estimate): 400 steps of icrl-train, the main job, N-Gram AD at width 512 and "
+              "Headless-AD, each with the fused kernels, the same replayed from a CUDA graph (--cuda-graph), and "
+              "--backend reference, after 200 histories per environment are generated"),
     "paper-goals": (stage_paper_goals, "up to its limit: icrl-compare --preset goals-paper --runs 1 (18 runs of 10k "
                     f"steps, {PAPER_GOALS_WORKERS} at a time on the GPU); stopped at the limit, finished runs "
                     "reported and reused by the next session (no estimate: never run)"),

@@ -15,7 +15,9 @@ a finished run prints its stored result without training or evaluating again.
 
 Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
 shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
-``torch.compile``.
+``torch.compile``, and on CUDA ``--cuda-graph`` captures each training step (forward, backward, gradient
+clipping, AdamW) in one CUDA graph: on a GPU these models' steps are bound by the host's kernel launches,
+not by the device.
 
 Action sets: models act on *positions* in an environment's action set (local indices), as the
 Headless-AD paper does; AD's head therefore has one output per position of the largest training set,
@@ -48,6 +50,7 @@ from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
+from .cuda_graphs import capture_train_step, eager_optimizer_state, prepare_capturable, set_learning_rate
 from .data import (
     GenerateConfig,
     HistoryWindows,
@@ -152,6 +155,10 @@ class TrainConfig:
         default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
     )
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
+    cuda_graph: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
+    )
     track: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"help": f"log loss, lr, steps/s, eval returns to any of {TRACKERS}", "metavar": "NAME"}
     )
@@ -171,6 +178,9 @@ class TrainConfig:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
+        if self.cuda_graph and self.compile:
+            raise ValueError("cuda_graph and compile exclude each other: --compile traces the forward, --cuda-graph "
+                             "records the whole step; choose one")  # fmt: skip
         # Everything is checked here, before minutes of data generation, so that a typo fails at once.
         check_training_fields(self)
         for name in ("seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task", "num_histories",
@@ -376,6 +386,11 @@ def train(config: TrainConfig) -> dict:
 
 def _train(config: TrainConfig) -> dict:
     ddp = Distributed(config.device)
+    graphed = config.cuda_graph and ddp.device.type == "cuda"
+    if config.cuda_graph and ddp.world_size > 1:
+        raise ValueError("cuda_graph does not support data-parallel runs (torchrun): leave out --cuda-graph")
+    if config.cuda_graph and not graphed and ddp.is_main:
+        print(f"cuda_graph: ignored on {ddp.device} (CUDA only); training eagerly", file=sys.stderr)
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -396,7 +411,7 @@ def _train(config: TrainConfig) -> dict:
     if checkpoint_path.exists():
         payload = load_checkpoint(checkpoint_path, expect_config=identity)
         model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
+        optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
         rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
         torch.set_rng_state(payload["rng"]["torch"])
         step = int(payload["step"])
@@ -414,6 +429,8 @@ def _train(config: TrainConfig) -> dict:
                       f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
             return finished[-1] if ddp.is_main else {}
 
+    if graphed:  # the learning rate and step counters move to the device, where the graph reads them
+        prepare_capturable(optimizer)
     trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
     trained = maybe_compile(trained, config.compile)
     tracker = (
@@ -431,24 +448,35 @@ def _train(config: TrainConfig) -> dict:
         print(f"{config.model}: {size}", file=sys.stderr)
     model.train()
     last_log = (step, time.perf_counter())
+    captured = None  # the CUDA-graphed step (--cuda-graph), recorded on the first batch
+
+    def step_on(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        return train_step(model, trained, optimizer, tensors, config, autocast)
+
     try:
         while step < config.steps:
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate_at(step, config)
-            batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
-            batch = {name: value.to(ddp.device, non_blocking=True) for name, value in batch.items()}
-            with autocast:
-                loss = _loss(model, trained, local_action_batch(batch), config)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
+            learning_rate = learning_rate_at(step, config)
+            set_learning_rate(optimizer, learning_rate)
+            batch = _next_batch(windows, rng, config, model, ddp.device)
+            if not graphed:
+                stats = step_on(_on_device(batch, ddp.device))
+            else:
+                if captured is None:
+                    names = tuple(batch)
+
+                    def named_step(*tensors: torch.Tensor, names=names) -> torch.Tensor:
+                        return step_on(dict(zip(names, tensors)))
+
+                    example = list(_on_device(batch, ddp.device).values())
+                    captured = capture_train_step(named_step, model, optimizer, example)
+                stats = captured(*batch.values())  # copies the pinned batch into the graph's inputs, replays
             step += 1
             bar.update(1)
             if metrics is not None and (step % config.log_every == 0 or step == config.steps):
                 now = time.perf_counter()
-                record = {"step": step, "loss": loss.item(), "lr": optimizer.param_groups[0]["lr"],
-                          "grad_norm": float(grad_norm), "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
+                loss, grad_norm = stats.tolist()  # the one host read, every log_every steps
+                record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
+                          "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
                           "seconds": now - start_time}  # fmt: skip
                 last_log = (step, now)
                 metrics.write(json.dumps(record) + "\n")
@@ -518,10 +546,44 @@ def _trim_metrics(path: Path, step: int) -> list[dict]:
     return kept
 
 
+def _next_batch(windows: HistoryWindows, rng: np.random.Generator, config: TrainConfig, model, device) -> dict:
+    """The next training batch of ``config.batch_size`` random windows, on the CPU (in pinned memory when
+    ``device`` is CUDA, so that its copy to the device does not make the host wait for the device), plus
+    for Headless-AD the step's random action map, drawn on ``device`` (``action_map``)."""
+    batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
+    if device.type == "cuda":
+        batch = {name: value.pin_memory() for name, value in batch.items()}
+    if isinstance(model, HeadlessADModel):
+        batch["action_map"] = model.draw_action_map(batch["action_set"].shape[1])
+    return batch
+
+
+def _on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+
+
+def train_step(
+    model, trained, optimizer, batch: dict[str, torch.Tensor], config: TrainConfig, autocast
+) -> torch.Tensor:
+    """One optimiser step on a device batch of :func:`_next_batch`: forward under ``autocast``, loss,
+    backward, gradient clipping, ``optimizer.step()``.
+
+    Returns ``[loss, grad_norm]`` (fp32, on the device). It reads no device value on the host, so on CUDA it
+    can be captured whole in a CUDA graph (``--cuda-graph``, :func:`~icrl_models.cuda_graphs.capture_train_step`).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss = _loss(model, trained, local_action_batch(batch), config)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return torch.stack([loss.detach().float(), grad_norm.float()])
+
+
 def _loss(model, trained, batch, config: TrainConfig) -> torch.Tensor:
     # Call the (possibly DDP-wrapped) module itself: DDP synchronises gradients through its forward.
     if isinstance(model, HeadlessADModel):
-        return model.loss(batch, trained=trained)
+        return model.loss(batch, trained=trained, action_map=batch["action_map"])
     logits = trained(batch["states"], batch["local_prev_actions"], batch["prev_rewards"])
     return action_loss(logits, {**batch, "actions": batch["local_actions"]}, config.label_smoothing)
 
@@ -539,7 +601,7 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
                 "step": step,
                 "config": identity,
                 "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
+                "optimizer": eager_optimizer_state(optimizer),
                 "rng": {"numpy": states, "torch": torch.get_rng_state()},
             },
             path,

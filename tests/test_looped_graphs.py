@@ -16,17 +16,13 @@ import pytest
 import torch
 from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks, host_reads
 
+import icrl_models.cuda_graphs as cuda_graphs
 import icrl_models.looped_step as looped_step
 import icrl_models.models.looped as looped_model
 from icrl_kernels import LoopedBlock
 from icrl_kernels.testing import assert_close_rel
-from icrl_models.looped_step import (
-    make_graphed_train_step,
-    make_optimizer,
-    prepare_capturable,
-    set_learning_rate,
-    train_step,
-)
+from icrl_models.cuda_graphs import prepare_capturable, set_learning_rate
+from icrl_models.looped_step import make_graphed_train_step, make_optimizer, train_step
 from icrl_models.models.looped import LoopedConfig, LoopedTransformer
 
 
@@ -87,7 +83,7 @@ def test_detector_sees_the_default_optimizers_host_read():
 
 
 def test_step_source_has_no_host_reads():
-    for module in (looped_step, looped_model):
+    for module in (looped_step, cuda_graphs, looped_model):
         found = host_reads(inspect.getsource(module))
         assert not found, f"{module.__name__}: host reads {found}"
 
@@ -141,11 +137,11 @@ def test_capture_warm_up_is_undone(capturable_on_cpu):
     ref_opt = make_optimizer(ref.parameters(), 1e-2, capturable=True)
     new_opt = make_optimizer(new.parameters(), 1e-2, capturable=True)
     (xs, ys), (xs2, ys2) = batches(2)
-    saved = looped_step._snapshot(new, new_opt)
+    saved = cuda_graphs._snapshot(new, new_opt)
     for _ in range(3):
         train_step(new, new_opt, xs2, ys2, loops=3, grad_loops=2)
     assert new_opt.state and not all(torch.equal(a, b) for a, b in zip(params(new), params(ref)))
-    looped_step._restore(saved, new, new_opt)
+    cuda_graphs._restore(saved, new, new_opt)
     assert all(p.grad is None for p in new.parameters())
     for _ in range(2):
         want = train_step(ref, ref_opt, xs, ys, loops=3, grad_loops=2)

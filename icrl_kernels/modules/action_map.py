@@ -78,6 +78,20 @@ class ActionMap(nn.Module):
         )
         return self.embeddings
 
+    def set_map(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Use ``embeddings`` (``[A, D]``, or ``[B, A, D]`` one map per sequence) as the map, as it is (not
+        copied): e.g. a map drawn with :func:`~icrl_kernels.orthonormal_embeddings` outside a CUDA-graphed
+        training step, whose graph then reads this very tensor on every replay. Sets ``num_actions = A``."""
+        check_tensor(embeddings, "embeddings", dtypes=FLOAT_DTYPES)
+        if embeddings.dim() not in (2, 3) or embeddings.shape[-1] != self.embed_dim or embeddings.shape[-2] == 0:
+            raise ValueError(
+                f"embeddings must be [A, {self.embed_dim}] or [B, A, {self.embed_dim}] with A >= 1, "
+                f"got shape {tuple(embeddings.shape)}"
+            )
+        self.num_actions = embeddings.shape[-2]
+        self.embeddings = embeddings
+        return embeddings
+
     def _map(self) -> torch.Tensor:
         if self.embeddings.numel() == 0:
             raise RuntimeError("ActionMap has no map yet: call regenerate() first")

@@ -32,6 +32,7 @@ from .._checks import check_int, check_training_fields
 from .._cli import command_line, resolve_device
 from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
+from ..cuda_graphs import prepare_capturable, set_learning_rate
 from ..function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -41,7 +42,7 @@ from ..function_classes import (
     normalized_squared_error,
     sample_prompts,
 )
-from ..looped_step import make_graphed_train_step, make_optimizer, prepare_capturable, set_learning_rate, train_step
+from ..looped_step import make_graphed_train_step, make_optimizer, train_step
 from ..models.looped import LoopedConfig, LoopedTransformer
 from .harness import (
     command_string,

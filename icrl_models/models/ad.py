@@ -362,12 +362,30 @@ class ADDecodeState:
 
 def action_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy of ``logits [B, L, A]`` against ``batch["actions"]`` over unpadded steps (``batch["mask"]``)."""
-    mask = batch["mask"]
-    return F.cross_entropy(logits[mask].float(), batch["actions"][mask], label_smoothing=label_smoothing)
+    return masked_cross_entropy(logits, batch["actions"], batch["mask"], label_smoothing)
+
+
+def masked_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float = 0.0
+) -> torch.Tensor:
+    """Mean cross-entropy (fp32) of ``logits [..., A]`` against ``targets [...]`` over the steps where ``mask
+    [...]`` (bool) is True; NaN when no step is.
+
+    Padded steps are left out through ``ignore_index``, not by boolean indexing: ``logits[mask]`` has a
+    shape that depends on the mask's values, so on a GPU every training step would wait for the device
+    to count them, and the step could not be captured in a CUDA graph.
+    """
+    ignored = targets.masked_fill(~mask, _IGNORED)
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), ignored.flatten(), ignore_index=_IGNORED, label_smoothing=label_smoothing
+    )
+
+
+_IGNORED = -100  # cross_entropy's default ignore_index
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "count_parameters"]
+__all__ = ["ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "count_parameters", "masked_cross_entropy"]

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from icrl_kernels._backend import BACKENDS
@@ -43,6 +42,7 @@ from icrl_kernels.modules.gpt2_block import GPT2Block
 from .._checks import check_generator
 from ..data.histories import LearningHistories
 from ..envs.base import BatchedEnv
+from .ad import masked_cross_entropy
 
 MOA_GATES = ("softmax", "sigmoid", "linear")
 TOKENS_PER_STEP = 3  # return-to-go, state, action
@@ -227,8 +227,7 @@ class DecisionTransformerMoA(nn.Module):
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Cross-entropy of the predicted actions over the unpadded steps of a :class:`TrajectoryWindows` batch."""
         logits = self(batch["rtg"], batch["states"], batch["actions"], batch["timesteps"])
-        mask = batch["mask"]
-        return F.cross_entropy(logits[mask].float(), batch["actions"][mask])
+        return masked_cross_entropy(logits, batch["actions"], batch["mask"])
 
     # -- analysis ----------------------------------------------------------------------------------
     @torch.no_grad()

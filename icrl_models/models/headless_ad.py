@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from icrl_kernels import ActionMap
+from icrl_kernels import ActionMap, orthonormal_embeddings
 
 from .._checks import check_float, check_generator, check_int
 from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields
@@ -245,19 +245,36 @@ class HeadlessADModel(nn.Module):
         return self.prediction_head(self.final_norm(z[:, prompt_valid.shape[1] + per_step - 1 :: per_step]))
 
     def loss(
-        self, batch: dict[str, torch.Tensor], *, generator: torch.Generator | None = None, trained: nn.Module = None
+        self,
+        batch: dict[str, torch.Tensor],
+        *,
+        generator: torch.Generator | None = None,
+        trained: nn.Module = None,
+        action_map: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One training step's loss: draw a new action map, then the InfoNCE loss over each sequence's
         action set on a :func:`~icrl_models.data.local_action_batch` batch; padded steps are ignored.
 
-        ``trained``: the module whose forward runs (this model, default, or its DDP wrapper)."""
+        ``trained``: the module whose forward runs (this model, default, or its DDP wrapper).
+        ``action_map``: the step's map ``[A, embed_dim]`` (``A = batch["available"].shape[1]``), drawn by the
+        caller with :meth:`draw_action_map` instead of here (a CUDA-graphed step draws it outside the
+        graph: the QR of the draw is no graph-capturable op); ``generator`` is then unused."""
         available = batch["available"]
-        check_generator(generator)
-        self.action_map.regenerate(num_actions=available.shape[1], generator=generator, device=self.device)
+        if action_map is None:
+            check_generator(generator)
+            self.action_map.regenerate(num_actions=available.shape[1], generator=generator, device=self.device)
+        else:
+            self.action_map.set_map(action_map)
         trained = self if trained is None else trained
         pred = trained(batch["states"], batch["local_prev_actions"], batch["prev_rewards"], available)
         targets = batch["local_actions"].masked_fill(~batch["mask"], -100)
         return self.action_map.loss(pred, targets, mask=available)
+
+    def draw_action_map(self, num_actions: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+        """A fresh random orthonormal action map ``[num_actions, embed_dim]`` on the model's device, drawn
+        exactly as :meth:`loss` draws its own (for ``loss(..., action_map=)``)."""
+        check_generator(generator)
+        return orthonormal_embeddings(num_actions, self.config.embed_dim, generator=generator, device=self.device)
 
     def init_decode_state(
         self, batch: int, max_steps: int, *, available: torch.Tensor, generator: torch.Generator | None = None

@@ -1,0 +1,248 @@
+"""``icrl-train --cuda-graph``: every model's whole training step captured in one CUDA graph.
+
+On CPU: each model's step (forward, loss, backward, clipping, capturable AdamW) reads no device value on
+the host (the dispatch-mode detector of test_no_host_sync, value checks in their GPU mode), the padded
+steps leave the loss without boolean indexing (same values as before), checkpoints of capturable
+optimisers load into eager ones and back, and the flag's bad combinations fail in one line. On a GPU
+(``gpu`` marker): graphed runs of every model against eager runs of the same seed, and resuming across
+the two modes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks
+
+import icrl_models.cuda_graphs as cuda_graphs
+from icrl_kernels import ActionMap
+from icrl_kernels.testing import assert_close_rel
+from icrl_models.cuda_graphs import eager_optimizer_state, prepare_capturable
+from icrl_models.data import HistoryWindows, generate_histories
+from icrl_models.models.ad import masked_cross_entropy
+from icrl_models.train import TrainConfig, _next_batch, _on_device, train, train_step
+
+MODELS = [("ngram_ad", "dark_room"), ("ad", "dark_room"), ("headless_ad", "bernoulli_bandit")]
+
+
+def _tiny(tmp_path: Path, model: str, env: str, **overrides) -> TrainConfig:
+    settings = dict(
+        model=model, env=env, num_histories=8, source_episodes=8, seq_len=16, d_model=16, num_heads=2,
+        num_layers=1, episode_subsample=2, steps=6, batch_size=4, warmup_steps=2, checkpoint_every=3, log_every=1,
+        eval_episodes=1, eval_envs_per_task=1, out_dir=str(tmp_path / "run"), progress=False,
+    )  # fmt: skip
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def _rows(config: TrainConfig) -> list[dict]:
+    lines = (Path(config.out_dir) / "metrics.jsonl").read_text().splitlines()
+    return [row for row in map(json.loads, lines) if "loss" in row]
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """Let AdamW's ``capturable=True`` path (the one a CUDA graph records) run on CPU tensors."""
+    import torch.optim.adam as adam
+    import torch.optim.adamw as adamw
+    import torch.optim.optimizer as optimizer
+
+    for module in (adam, adamw, optimizer):  # AdamW runs Adam's functions in recent torch
+        if hasattr(module, "_get_capturable_supported_devices"):
+            supported = module._get_capturable_supported_devices
+            monkeypatch.setattr(
+                module, "_get_capturable_supported_devices", lambda *a, _s=supported, **k: [*_s(*a, **k), "cpu"]
+            )
+
+
+# -- CPU: the step can be captured -------------------------------------------------------------------
+@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("model, env", MODELS)
+def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path, model, env, backend):
+    config = _tiny(tmp_path, model, env, backend=backend, residual_dropout=0.1, label_smoothing=0.1)
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories)
+    optimizer = torch.optim.AdamW(net.parameters(), torch.tensor(1e-3), weight_decay=1e-4, capturable=True)
+    rng = np.random.default_rng(0)
+    autocast = torch.autocast("cpu", enabled=False)
+    # Drawing the batch (numpy and CPU tensors, plus the action map) is outside the step, as in the loop.
+    batches = [_on_device(_next_batch(windows, rng, config, net, torch.device("cpu")), "cpu") for _ in range(2)]
+    with gpu_value_checks(), HostReadDetector() as detector:
+        for batch in batches:  # the first step too: AdamW creates its state there, as a graph's warm-up does
+            stats = train_step(net, net, optimizer, batch, config, autocast)
+    assert not detector.reads, f"{model}'s training step reads device values on the host: {detector.reads}"
+    assert stats.shape == (2,) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
+
+
+def test_capture_warm_up_of_headless_ad_is_undone(capturable_on_cpu, tmp_path):
+    """Capturing warms up on real steps and then restores the model and optimiser state; Headless-AD's
+    step replaces its action map (a non-persistent buffer) with the graph's input, which the restore must
+    survive (it did not while it restored every buffer by position: the map's shape changes)."""
+    config = _tiny(tmp_path, "headless_ad", "bernoulli_bandit", backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories)
+    start = {name: t.clone() for name, t in net.state_dict().items()}
+    optimizer = torch.optim.AdamW(net.parameters(), torch.tensor(1e-2), capturable=True)
+    rng = np.random.default_rng(0)
+    autocast = torch.autocast("cpu", enabled=False)
+    saved = cuda_graphs._snapshot(net, optimizer)
+    for _ in range(2):
+        train_step(net, net, optimizer, _next_batch(windows, rng, config, net, torch.device("cpu")), config, autocast)
+    assert net.action_map.embeddings.shape[0] > 0  # the map was replaced
+    cuda_graphs._restore(saved, net, optimizer)
+    for name, value in net.state_dict().items():
+        assert torch.equal(value, start[name]), name
+    assert all(torch.count_nonzero(v) == 0 for state in optimizer.state.values() for v in state.values())
+
+
+def test_detector_sees_boolean_indexing_of_the_loss():
+    """The padded-step selection the loss used before (``logits[mask]``) is flagged: the test above can fail."""
+    logits, mask = torch.randn(2, 5, 3, requires_grad=True), torch.rand(2, 5) > 0.5
+    with HostReadDetector() as detector:
+        F.cross_entropy(logits[mask], torch.zeros(int(mask.sum()), dtype=torch.long))
+    assert detector.reads
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_masked_cross_entropy_equals_the_boolean_indexed_loss(label_smoothing):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 5, generator=g).requires_grad_()
+    targets = torch.randint(0, 5, (3, 7), generator=g)
+    mask = torch.rand(3, 7, generator=g) > 0.4
+    targets[~mask] = -1  # padding ids that are no class: must not reach the loss
+    got = masked_cross_entropy(logits, targets, mask, label_smoothing)
+    want = F.cross_entropy(logits[mask], targets[mask], label_smoothing=label_smoothing)
+    torch.testing.assert_close(got, want)
+    got_grad, want_grad = torch.autograd.grad(got, logits)[0], torch.autograd.grad(want, logits)[0]
+    torch.testing.assert_close(got_grad, want_grad)
+    assert masked_cross_entropy(logits, targets, torch.zeros_like(mask)).isnan()  # no step: NaN, as before
+
+
+# -- CPU: checkpoints across the two modes -----------------------------------------------------------
+def _adam_steps(model, optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        model(torch.randn(4, 3, generator=g)).square().mean().backward()
+        optimizer.step()
+
+
+def test_capturable_checkpoints_load_into_eager_optimisers_and_back(capturable_on_cpu):
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    graphed, eager = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    graphed.load_state_dict(reference.state_dict())
+    ref_opt = torch.optim.AdamW(reference.parameters(), 1e-2)
+    graphed_opt = torch.optim.AdamW(graphed.parameters(), torch.tensor(1e-2), capturable=True)
+    _adam_steps(reference, ref_opt, 3, seed=1)
+    _adam_steps(graphed, graphed_opt, 3, seed=1)
+
+    saved = eager_optimizer_state(graphed_opt)
+    group = saved["param_groups"][0]
+    assert group["capturable"] is False and type(group["lr"]) is float
+    assert all(state["step"].device.type == "cpu" for state in saved["state"].values())
+    assert graphed_opt.param_groups[0]["capturable"]  # the live optimiser is unchanged
+
+    eager.load_state_dict(graphed.state_dict())
+    eager_opt = torch.optim.AdamW(eager.parameters(), 1e-2)
+    eager_opt.load_state_dict(saved)
+    _adam_steps(eager, eager_opt, 2, seed=2)
+    _adam_steps(reference, ref_opt, 2, seed=2)
+    for got, want in zip(eager.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want)
+
+    # And back: an eager checkpoint resumed by a graphed run.
+    back = torch.optim.AdamW(graphed.parameters(), torch.tensor(1e-2), capturable=True)
+    graphed.load_state_dict(eager.state_dict())
+    back.load_state_dict(eager_optimizer_state(eager_opt))
+    prepare_capturable(back)
+    _adam_steps(graphed, back, 2, seed=3)
+    _adam_steps(reference, ref_opt, 2, seed=3)
+    for got, want in zip(graphed.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want)
+
+
+# -- CPU: the flag ------------------------------------------------------------------------------------
+def test_cuda_graph_with_compile_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="cuda_graph and compile exclude each other"):
+        TrainConfig(cuda_graph=True, compile=True)
+
+
+def test_cuda_graph_is_ignored_off_cuda_with_a_note(tmp_path, capsys):
+    eager = _tiny(tmp_path / "eager", "ngram_ad", "dark_room", backend="eager", device="cpu")
+    flagged = _tiny(tmp_path / "flagged", "ngram_ad", "dark_room", backend="eager", device="cpu", cuda_graph=True)
+    train(eager)
+    capsys.readouterr()
+    train(flagged)
+    assert "cuda_graph: ignored on cpu" in capsys.readouterr().err
+    assert [row["loss"] for row in _rows(flagged)] == [row["loss"] for row in _rows(eager)]
+
+
+def test_cuda_graph_refuses_data_parallel_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)  # no process group is started
+    config = _tiny(tmp_path, "ad", "dark_room", backend="eager", device="cpu", cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph does not support data-parallel runs"):
+        train(config)
+
+
+def test_headless_loss_with_a_given_map_equals_drawing_it(tmp_path):
+    config = _tiny(tmp_path, "headless_ad", "bernoulli_bandit", backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories)
+    from icrl_models.data import local_action_batch
+
+    batch = local_action_batch(windows.get_batch(np.arange(4)))
+    arms = batch["available"].shape[1]
+    drawn = net.loss(batch, generator=torch.Generator().manual_seed(5))
+    given = net.loss(batch, action_map=net.draw_action_map(arms, generator=torch.Generator().manual_seed(5)))
+    torch.testing.assert_close(given, drawn)
+    with pytest.raises(ValueError, match=r"embeddings must be \[A, 64\]"):
+        net.loss(batch, action_map=torch.zeros(arms, 3))
+
+
+def test_action_map_set_map_checks_its_argument():
+    action_map = ActionMap(4, 8)
+    embeddings = torch.randn(5, 8)
+    assert action_map.set_map(embeddings) is embeddings and action_map.num_actions == 5
+    assert action_map.embeddings is embeddings
+    with pytest.raises(TypeError, match="embeddings"):
+        action_map.set_map(torch.zeros(5, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="embeddings must be"):
+        action_map.set_map(torch.zeros(8))
+    with pytest.raises(ValueError, match="embeddings must be"):
+        action_map.set_map(torch.zeros(0, 8))
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model, env", MODELS)
+def test_graphed_training_matches_eager_training(tmp_path, model, env):
+    """Same seed, same batches, no dropout: the graphed run's logged losses and gradient norms follow the
+    eager run's (bf16 autocast, Triton kernels), and its checkpoint resumes eagerly."""
+    settings = dict(device="cuda", backend="auto", steps=8, checkpoint_every=4)
+    eager = _tiny(tmp_path / "eager", model, env, **settings)
+    graphed = _tiny(tmp_path / "graphed", model, env, cuda_graph=True, **settings)
+    train(eager)
+    train(graphed)
+    for name in ("loss", "grad_norm"):
+        got = torch.tensor([row[name] for row in _rows(graphed)])
+        want = torch.tensor([row[name] for row in _rows(eager)])
+        assert_close_rel(got, want, rms_tol=2e-2, name=f"{model}: {name} per step, graphed against eager")
+    # A graphed run's checkpoint resumes in an eager run, and an eager one in a graphed run.
+    for source, resume_graphed in ((graphed, False), (eager, True)):
+        longer = TrainConfig(**{**source.__dict__, "steps": 12, "cuda_graph": resume_graphed})
+        train(longer)
+        assert [row["step"] for row in _rows(longer)] == list(range(1, 13))
