@@ -38,3 +38,20 @@ def _experiment_trials_in_this_process(request, monkeypatch):
     from icrl_models.experiments import sweep
 
     monkeypatch.setattr(sweep, "ray_tune_available", lambda: False)
+
+
+@pytest.fixture
+def capturable_on_cpu(monkeypatch):
+    """Let Adam's and AdamW's ``capturable=True`` path (the one a CUDA graph records) run on CPU tensors:
+    the same tensor-only arithmetic (step counter and bias corrections on the device), so its host reads
+    show in the host-read detector of ``test_no_host_sync``."""
+    import torch.optim.adam as adam
+    import torch.optim.adamw as adamw
+    import torch.optim.optimizer as optimizer
+
+    for module in (adam, adamw, optimizer):  # AdamW runs Adam's functions in recent torch
+        supported = getattr(module, "_get_capturable_supported_devices", None)
+        if supported is not None:
+            monkeypatch.setattr(
+                module, "_get_capturable_supported_devices", lambda *a, _s=supported, **k: [*_s(*a, **k), "cpu"]
+            )

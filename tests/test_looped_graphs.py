@@ -40,16 +40,6 @@ def batches(n, device="cpu", *, batch=4, points=5, dims=3, seed=1):
     ]
 
 
-@pytest.fixture
-def capturable_on_cpu(monkeypatch):
-    """Let Adam's ``capturable=True`` path (the one a CUDA graph records) run on CPU tensors: the same
-    tensor-only arithmetic (step counter and bias corrections on the device), so its host reads show here."""
-    import torch.optim.adam as adam
-
-    supported = adam._get_capturable_supported_devices
-    monkeypatch.setattr(adam, "_get_capturable_supported_devices", lambda *a, **k: [*supported(*a, **k), "cpu"])
-
-
 def params(model):
     return [p.detach().clone() for p in model.parameters()]
 

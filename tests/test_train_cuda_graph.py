@@ -45,21 +45,6 @@ def _rows(config: TrainConfig) -> list[dict]:
     return [row for row in map(json.loads, lines) if "loss" in row]
 
 
-@pytest.fixture
-def capturable_on_cpu(monkeypatch):
-    """Let AdamW's ``capturable=True`` path (the one a CUDA graph records) run on CPU tensors."""
-    import torch.optim.adam as adam
-    import torch.optim.adamw as adamw
-    import torch.optim.optimizer as optimizer
-
-    for module in (adam, adamw, optimizer):  # AdamW runs Adam's functions in recent torch
-        if hasattr(module, "_get_capturable_supported_devices"):
-            supported = module._get_capturable_supported_devices
-            monkeypatch.setattr(
-                module, "_get_capturable_supported_devices", lambda *a, _s=supported, **k: [*_s(*a, **k), "cpu"]
-            )
-
-
 # -- CPU: the step can be captured -------------------------------------------------------------------
 @pytest.mark.parametrize("backend", _cpu_backends())
 @pytest.mark.parametrize("model, env", MODELS)
