@@ -192,3 +192,17 @@ def test_cached_dataset_generates_once_then_reuses(tmp_path, monkeypatch):
     assert cached_dataset(path, dataclasses.replace(config, num_histories=5), progress=False) == path
     assert path.read_bytes() == before
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".partial")]
+
+
+def test_running_loss_reads_the_device_once_per_mean():
+    from test_no_host_sync import HostReadDetector
+
+    running = harness.RunningLoss()
+    assert np.isnan(running.mean())
+    losses = [torch.tensor(v, requires_grad=True) * 1 for v in (0.5, 1.25, 2.0)]
+    with HostReadDetector() as detector:
+        for loss in losses:
+            running.add(loss)
+    assert not detector.reads
+    assert running.mean() == pytest.approx(1.25)
+    assert np.isnan(running.mean())  # each mean starts afresh

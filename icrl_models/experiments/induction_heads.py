@@ -63,7 +63,15 @@ from ..analysis.induction import (
     uniform_causal_pattern,
 )
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from .harness import command_string, machine_description, pyplot, run_folder, warmup_then_constant, write_results
+from .harness import (
+    RunningLoss,
+    command_string,
+    machine_description,
+    pyplot,
+    run_folder,
+    warmup_then_constant,
+    write_results,
+)
 from .sweep import SweepOptions, reuse_or_run, run_trials, settings_key, sweep_options
 
 
@@ -277,7 +285,7 @@ def train_variant(
     # Where the metrics are at initialisation: the phase change is a departure from this.
     evaluation = evaluate_model(model, eval_batch)
     _record(curves, 0, float("nan"), evaluation)
-    running = []
+    running = RunningLoss()
     bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, position=position, leave=True)
     for step in bar:
         for group in optimizer.param_groups:
@@ -290,11 +298,10 @@ def train_variant(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        running.append(loss.item())
+        running.add(loss)
         if step % config.eval_every == 0 or step == config.steps:
             evaluation = evaluate_model(model, eval_batch)
-            _record(curves, step, float(np.mean(running)), evaluation)
-            running = []
+            _record(curves, step, running.mean(), evaluation)
             bar.set_postfix(loss=f"{curves['train_loss'][-1]:.3f}", induction=f"{curves['best_induction'][-1]:.2f}")
     bar.close()
 

@@ -102,6 +102,7 @@ from ..envs.base import BatchedEnv
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
 from .harness import (
+    RunningLoss,
     command_string,
     fill_from_preset,
     format_stats,
@@ -583,7 +584,7 @@ def run_task(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     rng = np.random.default_rng(seed + 7)
     curve = {"step": [0], "loss": [float("nan")], "g_markov": [g_markov_now()]}
-    running: list[float] = []
+    running = RunningLoss()
     train_start = time.perf_counter()
     model.train()
     bar = tqdm(range(1, config.steps + 1), desc=f"{task.label} k={k} seed {seed}", disable=not config.progress)
@@ -597,12 +598,11 @@ def run_task(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-        running.append(loss.item())
+        running.add(loss)
         if step % config.eval_every == 0 or step == config.steps:
             curve["step"].append(step)
-            curve["loss"].append(float(np.mean(running)))
+            curve["loss"].append(running.mean())
             curve["g_markov"].append(g_markov_now())
-            running = []
             bar.set_postfix(loss=f"{curve['loss'][-1]:.3f}", g_markov=str(curve["g_markov"][-1]))
     bar.close()
     train_seconds = time.perf_counter() - train_start
