@@ -2,7 +2,8 @@
 (docs/performance.md#targets).
 
 * ``test_train_step``: one optimiser step (forward, backward, AdamW) on a batch of windows, for AD and
-  N-Gram AD, with the library's kernels (``backend="auto"``) and with ``backend="reference"`` (the
+  N-Gram AD, with the library's kernels (``backend="auto"``), the same step replayed from a CUDA graph
+  (``"auto+graph"``, CUDA only: ``icrl-train --cuda-graph``) and with ``backend="reference"`` (the
   dense O(L^2) n-gram reference). ``test_headless_train_step``: the same for Headless-AD (a new action
   map every step, InfoNCE over a 20-action set), fused InfoNCE against the reference (materialised
   logits).
@@ -15,7 +16,8 @@ The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) uses th
 model and, on CUDA, a paper-sized one (d_model 512, 8 heads, 4 blocks).
 
 ``extra_info`` keys: ``op`` (``ad_train_step``, ``ad_eval_step``), ``backend`` (the column
-``benchmarks/summarize.py`` compares: ``auto`` / ``reference``, or ``incremental`` / ``recompute``),
+``benchmarks/summarize.py`` compares: ``auto`` / ``auto+graph`` / ``reference``, or ``incremental`` /
+``recompute``),
 ``model`` and the size. Headline cases (``-m headline``): both training-step benchmarks at the largest
 size of the set that runs (``paper`` on CUDA, ``tiny`` on a smoke run), every model and backend.
 """
@@ -27,6 +29,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from icrl_models.cuda_graphs import capture_train_step
 from icrl_models.models import ADConfig, ADModel
 from icrl_models.models.headless_ad import HeadlessADConfig, HeadlessADModel
 
@@ -48,6 +51,9 @@ GPU_FULL = [Size("cpu-main", 64, 4, 2, 200, 32), Size("paper", 512, 8, 2, 250, 6
 SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else SMOKE
 SIZE_PARAMS = as_params(SIZES, headline=SIZES[-1:], ids=lambda s: s.name)
 MODELS = {"ad": (), "ngram_ad": (1, 2)}
+#: The fused kernels with the whole step captured in one CUDA graph and replayed (CUDA only).
+GRAPH = "auto+graph"
+TRAIN_BACKENDS = ["auto", GRAPH, "reference"]
 EVAL_ROUNDS = 50
 
 
@@ -72,12 +78,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("size", SIZE_PARAMS)
 def test_train_step(benchmark, size: Size, model: str, backend: str):
     device = bench_device()
-    net = _model(size, model, backend, device)
+    net = _model(size, model, _kernels(backend, device), device)
     states, prev_actions, prev_rewards = _inputs(size.batch, size.seq_len, device)
     batch = {
         "states": states, "prev_actions": prev_actions, "prev_rewards": prev_rewards,
@@ -86,23 +92,56 @@ def test_train_step(benchmark, size: Size, model: str, backend: str):
     _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model=model, backend=backend)
 
 
+def _kernels(backend: str, device: torch.device) -> str:
+    """The model's ``backend=`` for a benchmark backend; the graphed one needs CUDA (else the case is skipped)."""
+    if backend != GRAPH:
+        return backend
+    if device.type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    return "auto"
+
+
 def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
-    """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step.
+    """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step;
+    with ``backend="auto+graph"`` the step is captured in a CUDA graph first and each timed step replays it.
 
     ``extra_info`` gets ``info`` and ``more_info`` (which must name the ``op`` and the ``backend``), the
     device and, on CUDA, the peak memory of the timed steps. The benchmark group is the op and the size.
     """
     device = bench_device()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    graphed = more_info["backend"] == GRAPH
+    lr = torch.tensor(1e-3, device=device) if graphed else 1e-3
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, capturable=graphed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    headless = isinstance(net, HeadlessADModel)
 
-    def step():
-        with autocast:
-            loss = net.loss(batch)
+    def optimizer_step(inputs: dict) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            # A graphed Headless-AD step reads the map drawn outside the graph; an eager one draws its own.
+            loss = net.loss(inputs, action_map=inputs.get("action_map")) if headless else net.loss(inputs)
         loss.backward()
         optimizer.step()
-        _sync(device)
+        return loss.detach()
+
+    if not graphed:
+
+        def step():
+            optimizer_step(batch)
+            _sync(device)
+
+    else:  # as icrl-train --cuda-graph runs it: the map is drawn per step outside and copied in
+        inputs = {**batch, "action_map": net.draw_action_map(batch["available"].shape[1])} if headless else batch
+        names = list(inputs)
+        captured = capture_train_step(
+            lambda *tensors: optimizer_step(dict(zip(names, tensors))), net, optimizer, list(inputs.values())
+        )
+
+        def step():
+            if headless:
+                inputs["action_map"] = net.draw_action_map(batch["available"].shape[1])
+            captured(*inputs.values())
+            _sync(device)
 
     step()  # warm-up (allocator, kernels)
     for extra in info:
@@ -118,13 +157,13 @@ def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
         benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 @pytest.mark.parametrize("size", SIZE_PARAMS)
 def test_headless_train_step(benchmark, size: Size, backend: str):
     device = bench_device()
     config = HeadlessADConfig(
         num_states=81, embed_dim=64, seq_len=size.seq_len, d_model=size.d_model, num_heads=size.num_heads,
-        num_layers=size.num_layers, backend=backend,
+        num_layers=size.num_layers, backend=_kernels(backend, device),
     )  # fmt: skip
     net = HeadlessADModel(config).to(device)
     states, prev_actions, prev_rewards = _inputs(size.batch, size.seq_len, device)

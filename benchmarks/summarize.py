@@ -205,7 +205,7 @@ OPS: dict[str, OpSpec] = {
     ),
     "ad_train_step": OpSpec(
         "AD / N-Gram AD / Headless-AD training step",
-        ours={"cpu": ("auto",)},
+        ours={"cuda": ("auto+graph", "auto"), "cpu": ("auto",)},
         peers=(REFERENCE,),
         roofline_target=False,
     ),
