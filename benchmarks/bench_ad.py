@@ -29,7 +29,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from icrl_models.cuda_graphs import capture_train_step
+from icrl_models.cuda_graphs import StepRunner
 from icrl_models.models import ADConfig, ADModel
 from icrl_models.models.headless_ad import HeadlessADConfig, HeadlessADModel
 
@@ -124,24 +124,15 @@ def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
         optimizer.step()
         return loss.detach()
 
-    if not graphed:
+    runner = StepRunner(optimizer_step, net, optimizer, device, cuda_graph=graphed)
 
-        def step():
-            optimizer_step(batch)
-            _sync(device)
-
-    else:  # as icrl-train --cuda-graph runs it: the map is drawn per step outside and copied in
-        inputs = {**batch, "action_map": net.draw_action_map(batch["available"].shape[1])} if headless else batch
-        names = list(inputs)
-        captured = capture_train_step(
-            lambda *tensors: optimizer_step(dict(zip(names, tensors))), net, optimizer, list(inputs.values())
+    def step():
+        # Graphed as icrl-train --cuda-graph runs it: Headless-AD's map is drawn per step outside the graph.
+        inputs = (
+            {**batch, "action_map": net.draw_action_map(batch["available"].shape[1])} if headless and graphed else batch
         )
-
-        def step():
-            if headless:
-                inputs["action_map"] = net.draw_action_map(batch["available"].shape[1])
-            captured(*inputs.values())
-            _sync(device)
+        runner(inputs)
+        _sync(device)
 
     step()  # warm-up (allocator, kernels)
     for extra in info:

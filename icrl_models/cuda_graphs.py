@@ -22,7 +22,7 @@ Used by ``icrl-train --cuda-graph`` (:mod:`icrl_models.train`) and the looped tr
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -161,6 +161,58 @@ def capture_train_step(
     parameters, buffers and optimiser state, so it leaves training unchanged.
     """
     return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps)
+
+
+def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A CPU batch in pinned memory when ``device`` is CUDA (as it is otherwise): its copy to the device
+    then runs asynchronously, where a copy from pageable memory makes the host wait for the device."""
+    if device.type != "cuda":
+        return dict(batch)
+    return {name: value.pin_memory() if value.device.type == "cpu" else value for name, value in batch.items()}
+
+
+def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
+
+
+class StepRunner:
+    """Runs a training step ``step(batch) -> tensor`` on dict batches (CPU tensors, see :func:`pinned`, or
+    device tensors): eagerly, or with ``cuda_graph=True`` on a CUDA ``device`` captured on the first batch
+    (:func:`capture_train_step`) and replayed on every later one, whose tensors must keep the first batch's
+    names and shapes. ``step`` gets the batch on ``device`` and must return a device tensor (the loss, or
+    a few statistics), read on the host only when the caller asks.
+
+    A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`).
+    """
+
+    def __init__(
+        self,
+        step: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        cuda_graph: bool = False,
+    ) -> None:
+        self.step, self.model, self.optimizer, self.device = step, model, optimizer, device
+        self.graphed = bool(cuda_graph) and device.type == "cuda"
+        self.captured: GraphedTrainStep | None = None
+        self.names: tuple[str, ...] = ()
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if not self.graphed:
+            return self.step(to_device(batch, self.device))
+        if self.captured is None:
+            self.names = tuple(batch)
+
+            def named_step(*tensors: torch.Tensor) -> torch.Tensor:
+                return self.step(dict(zip(self.names, tensors)))
+
+            example = list(to_device(batch, self.device).values())
+            self.captured = capture_train_step(named_step, self.model, self.optimizer, example)
+        if tuple(batch) != self.names:
+            raise ValueError(f"batch must hold the captured tensors {self.names}, got {tuple(batch)}")
+        return self.captured(*batch.values())  # copies the batch into the graph's inputs and replays
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
-from .cuda_graphs import capture_train_step, eager_optimizer_state, prepare_capturable, set_learning_rate
+from .cuda_graphs import StepRunner, eager_optimizer_state, pinned, prepare_capturable, set_learning_rate
 from .data import (
     GenerateConfig,
     HistoryWindows,
@@ -448,28 +448,15 @@ def _train(config: TrainConfig) -> dict:
         print(f"{config.model}: {size}", file=sys.stderr)
     model.train()
     last_log = (step, time.perf_counter())
-    captured = None  # the CUDA-graphed step (--cuda-graph), recorded on the first batch
-
-    def step_on(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        return train_step(model, trained, optimizer, tensors, config, autocast)
-
+    run_step = StepRunner(
+        lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
+        cuda_graph=graphed,
+    )  # fmt: skip
     try:
         while step < config.steps:
             learning_rate = learning_rate_at(step, config)
             set_learning_rate(optimizer, learning_rate)
-            batch = _next_batch(windows, rng, config, model, ddp.device)
-            if not graphed:
-                stats = step_on(_on_device(batch, ddp.device))
-            else:
-                if captured is None:
-                    names = tuple(batch)
-
-                    def named_step(*tensors: torch.Tensor, names=names) -> torch.Tensor:
-                        return step_on(dict(zip(names, tensors)))
-
-                    example = list(_on_device(batch, ddp.device).values())
-                    captured = capture_train_step(named_step, model, optimizer, example)
-                stats = captured(*batch.values())  # copies the pinned batch into the graph's inputs, replays
+            stats = run_step(_next_batch(windows, rng, config, model, ddp.device))
             step += 1
             bar.update(1)
             if metrics is not None and (step % config.log_every == 0 or step == config.steps):
@@ -550,16 +537,10 @@ def _next_batch(windows: HistoryWindows, rng: np.random.Generator, config: Train
     """The next training batch of ``config.batch_size`` random windows, on the CPU (in pinned memory when
     ``device`` is CUDA, so that its copy to the device does not make the host wait for the device), plus
     for Headless-AD the step's random action map, drawn on ``device`` (``action_map``)."""
-    batch = windows.get_batch(rng.integers(0, len(windows), size=config.batch_size))
-    if device.type == "cuda":
-        batch = {name: value.pin_memory() for name, value in batch.items()}
+    batch = pinned(windows.get_batch(rng.integers(0, len(windows), size=config.batch_size)), device)
     if isinstance(model, HeadlessADModel):
         batch["action_map"] = model.draw_action_map(batch["action_set"].shape[1])
     return batch
-
-
-def _on_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
 
 
 def train_step(
@@ -569,7 +550,7 @@ def train_step(
     backward, gradient clipping, ``optimizer.step()``.
 
     Returns ``[loss, grad_norm]`` (fp32, on the device). It reads no device value on the host, so on CUDA it
-    can be captured whole in a CUDA graph (``--cuda-graph``, :func:`~icrl_models.cuda_graphs.capture_train_step`).
+    can be captured whole in a CUDA graph (``--cuda-graph``, :class:`~icrl_models.cuda_graphs.StepRunner`).
     """
     optimizer.zero_grad(set_to_none=True)
     with autocast:

@@ -25,7 +25,7 @@ from icrl_kernels.testing import assert_close_rel
 from icrl_models.cuda_graphs import eager_optimizer_state, prepare_capturable
 from icrl_models.data import HistoryWindows, generate_histories
 from icrl_models.models.ad import masked_cross_entropy
-from icrl_models.train import TrainConfig, _next_batch, _on_device, train, train_step
+from icrl_models.train import TrainConfig, _next_batch, train, train_step
 
 MODELS = [("ngram_ad", "dark_room"), ("ad", "dark_room"), ("headless_ad", "bernoulli_bandit")]
 
@@ -58,7 +58,7 @@ def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path,
     rng = np.random.default_rng(0)
     autocast = torch.autocast("cpu", enabled=False)
     # Drawing the batch (numpy and CPU tensors, plus the action map) is outside the step, as in the loop.
-    batches = [_on_device(_next_batch(windows, rng, config, net, torch.device("cpu")), "cpu") for _ in range(2)]
+    batches = [_next_batch(windows, rng, config, net, torch.device("cpu")) for _ in range(2)]
     with gpu_value_checks(), HostReadDetector() as detector:
         for batch in batches:  # the first step too: AdamW creates its state there, as a graph's warm-up does
             stats = train_step(net, net, optimizer, batch, config, autocast)
@@ -178,6 +178,23 @@ def test_cuda_graph_refuses_data_parallel_runs(tmp_path, monkeypatch):
     config = _tiny(tmp_path, "ad", "dark_room", backend="eager", device="cpu", cuda_graph=True)
     with pytest.raises(ValueError, match="cuda_graph does not support data-parallel runs"):
         train(config)
+
+
+def test_step_runner_runs_eagerly_off_cuda():
+    seen = []
+
+    def step(batch):
+        seen.append(batch)
+        return batch["x"].sum()
+
+    model = torch.nn.Linear(2, 2)
+    runner = cuda_graphs.StepRunner(
+        step, model, torch.optim.AdamW(model.parameters()), torch.device("cpu"), cuda_graph=True
+    )
+    assert not runner.graphed
+    batch = cuda_graphs.pinned({"x": torch.ones(3)}, torch.device("cpu"))  # pinning only for CUDA
+    assert runner(batch) == 3 and seen[-1]["x"].device.type == "cpu"
+    assert runner({"x": torch.ones(5)}) == 5  # eager steps take any shape
 
 
 def test_headless_loss_with_a_given_map_equals_drawing_it(tmp_path):
