@@ -66,6 +66,45 @@ def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path,
     assert stats.shape == (2,) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
 
 
+def _dt_moa(backend: str, gate: str = "softmax", device="cpu"):
+    from icrl_models.models.dt_moa import DecisionTransformerMoA, DTMoAConfig
+
+    torch.manual_seed(0)
+    sizes = dict(state_sizes=(9, 5), num_actions=4, context_len=6, max_timestep=16, n_layer=2, n_head=3, n_embd=24)
+    config = DTMoAConfig(**sizes, n_positions=30, moa_layers=(0, 1), dropout=0.0, backend=backend, gate=gate)
+    return DecisionTransformerMoA(config).to(device)
+
+
+def _dt_batches(count: int, config) -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(count):
+        mask = torch.ones(4, 6, dtype=torch.bool)
+        mask[0, 4:] = False
+        batches.append({
+            "rtg": torch.rand(4, 6, generator=g), "states": torch.randint(0, config.num_states, (4, 6), generator=g),
+            "actions": torch.randint(0, 4, (4, 6), generator=g), "timesteps": torch.randint(0, 16, (4, 6), generator=g),
+            "mask": mask,
+        })  # fmt: skip
+    return batches
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("gate", ["softmax", "sigmoid", "linear"])
+def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend, gate):
+    """icrl-markov's step (the DT with MoA): its input range checks were host reads (``int(x.max())``)."""
+    from icrl_models.experiments.markov_heads import dt_train_step
+
+    model = _dt_moa(backend, gate)
+    optimizer = torch.optim.AdamW(model.parameters(), torch.tensor(1e-3), capturable=True, foreach=True)
+    autocast = torch.autocast("cpu", enabled=False)
+    with gpu_value_checks(), HostReadDetector() as detector:
+        for batch in _dt_batches(2, model.config):
+            loss = dt_train_step(model, optimizer, batch, 1.0, autocast)
+    assert not detector.reads, f"the DT-MoA training step reads device values on the host: {detector.reads}"
+    assert loss.shape == () and torch.isfinite(loss)
+
+
 def test_capture_warm_up_of_headless_ad_is_undone(capturable_on_cpu, tmp_path):
     """Capturing warms up on real steps and then restores the model and optimiser state; Headless-AD's
     step replaces its action map (a non-persistent buffer) with the graph's input, which the restore must
@@ -248,3 +287,26 @@ def test_graphed_training_matches_eager_training(tmp_path, model, env):
         longer = TrainConfig(**{**source.__dict__, "steps": 12, "cuda_graph": resume_graphed})
         train(longer)
         assert [row["step"] for row in _rows(longer)] == list(range(1, 13))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("gate", ["softmax", "linear"])
+def test_graphed_dt_moa_steps_match_eager(gate):
+    """icrl-markov --cuda-graph: the DT-MoA step replayed from a graph follows the eager step (bf16 autocast)."""
+    from icrl_models.experiments.markov_heads import dt_train_step
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    losses = {}
+    for graphed in (False, True):
+        model = _dt_moa("auto", gate, device="cuda")
+        optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
+        prepare_capturable(optimizer)
+        runner = cuda_graphs.StepRunner(
+            lambda batch, m=model, o=optimizer: dt_train_step(m, o, batch, 1.0, autocast), model, optimizer,
+            torch.device("cuda"), cuda_graph=graphed,
+        )  # fmt: skip
+        batches = [cuda_graphs.pinned(b, torch.device("cuda")) for b in _dt_batches(6, model.config)]
+        losses[graphed] = torch.stack([runner(batch) for batch in batches]).float().cpu()
+        assert runner.graphed == graphed
+    assert_close_rel(losses[True], losses[False], rms_tol=2e-2, name=f"DT-MoA ({gate}) losses, graphed against eager")

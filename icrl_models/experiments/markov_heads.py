@@ -97,6 +97,7 @@ from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..cuda_graphs import StepRunner, pinned, prepare_capturable, set_learning_rate, to_device
 from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
@@ -290,6 +291,10 @@ class MarkovConfig(SweepOptions):
     )
     backend: str = dataclasses.field(default="auto", metadata={"help": "MoA kernel backend"})
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
+    cuda_graph: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
+    )
     #: Tiny models gain nothing from intra-op threads on a shared CPU (see icrl-induction).
     num_threads: int = dataclasses.field(
         default=1,
@@ -540,8 +545,17 @@ def _markov_summary(report: MarkovReport) -> dict:
     return {"markov_heads": report.heads(), "ratio": report.ratio, "diagonal_positive": report.diagonal_positive}
 
 
-def _to(batch: dict, device) -> dict:
-    return {name: value.to(device) for name, value in batch.items()}
+def dt_train_step(model, optimizer, batch: dict[str, torch.Tensor], grad_clip: float, autocast) -> torch.Tensor:
+    """One AdamW step of the DT-MoA on a device batch (forward under ``autocast``, loss, backward, clipping);
+    returns the loss (a 0-d device tensor). Reads no device value on the host: capturable in a CUDA graph
+    (``--cuda-graph``)."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast:
+        loss = model.loss(batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.detach()
 
 
 def run_task(
@@ -556,7 +570,7 @@ def run_task(
     held_out, _, _ = task_data(task, dataclasses.replace(config, progress=False), data_seed + 1)
     analysis = TrajectoryWindows(held_out, k)
     sample = WINDOW_SAMPLERS[config.windows]
-    analysis_batch = _to(sample(analysis, config.analysis_windows, np.random.default_rng(data_seed)), device)
+    analysis_batch = to_device(sample(analysis, config.analysis_windows, np.random.default_rng(data_seed)), device)
 
     torch.manual_seed(seed)
     model_config = dataclasses.replace(
@@ -582,6 +596,13 @@ def run_task(
         lr=config.learning_rate, betas=(0.9, 0.95),
     )  # fmt: skip
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    graphed = config.cuda_graph and device.type == "cuda"
+    if graphed:  # the learning rate and step counters on the device, where the graph reads them
+        prepare_capturable(optimizer)
+    run_step = StepRunner(
+        lambda batch: dt_train_step(model, optimizer, batch, config.grad_clip, autocast), model, optimizer, device,
+        cuda_graph=graphed,
+    )  # fmt: skip
     rng = np.random.default_rng(seed + 7)
     curve = {"step": [0], "loss": [float("nan")], "g_markov": [g_markov_now()]}
     running = RunningLoss()
@@ -589,16 +610,8 @@ def run_task(
     model.train()
     bar = tqdm(range(1, config.steps + 1), desc=f"{task.label} k={k} seed {seed}", disable=not config.progress)
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step - 1, config)
-        batch = _to(sample(windows, config.batch_size, rng), device)
-        with autocast:
-            loss = model.loss(batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        running.add(loss)
+        set_learning_rate(optimizer, learning_rate_at(step - 1, config))
+        running.add(run_step(pinned(sample(windows, config.batch_size, rng), device)))
         if step % config.eval_every == 0 or step == config.steps:
             curve["step"].append(step)
             curve["loss"].append(running.mean())
@@ -701,7 +714,7 @@ class MarkovTrial:
 
     def key(self) -> dict:
         """What the run's result depends on: the config without where and how it runs, and the run."""
-        return settings_key(self.config, ("out_dir", "progress", "device", "num_threads"), seed=self.seed,
+        return settings_key(self.config, ("out_dir", "progress", "device", "cuda_graph", "num_threads"), seed=self.seed,
                             task=self.task, corridor_length=self.corridor_length, k=self.k)  # fmt: skip
 
 

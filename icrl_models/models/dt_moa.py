@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from icrl_kernels._backend import BACKENDS
+from icrl_kernels._validation import check_values
 from icrl_kernels.modules.gpt2_block import GPT2Block
 
 from .._checks import check_generator
@@ -176,8 +177,12 @@ class DecisionTransformerMoA(nn.Module):
         ):  # fmt: skip
             if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
                 raise TypeError(f"{name} must be an integer tensor, got {tensor.dtype}")
-            if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= high):
-                raise ValueError(f"{name} must lie in [0, {high}), got [{int(tensor.min())}, {int(tensor.max())}]")
+            # A device-side check on CUDA: reading min/max on the host would make every step wait for the GPU.
+            check_values(
+                ((tensor < 0) | (tensor >= high)).any(),
+                f"{name} must lie in [0, {high})",
+                lambda t=tensor: f", got [{int(t.min())}, {int(t.max())}]",
+            )
 
     def embed(self, rtg, states, actions, timesteps) -> torch.Tensor:
         """Token embeddings ``[B, 3T, D]`` in the order ``(R_t, s_t, a_t)`` per step, after ``embed_ln``,
