@@ -89,27 +89,35 @@ def test_train_step(benchmark, size: Size, model: str, backend: str):
         "states": states, "prev_actions": prev_actions, "prev_rewards": prev_rewards,
         "actions": torch.randint(0, 5, states.shape, device=device), "mask": torch.ones_like(states, dtype=torch.bool),
     }  # fmt: skip
-    _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model=model, backend=backend)
+    _time_train_step(
+        benchmark,
+        net,
+        batch,
+        size._asdict(),
+        op="ad_train_step",
+        model=model,
+        backend=backend,
+        graphed=backend == GRAPH,
+    )
 
 
 def _kernels(backend: str, device: torch.device) -> str:
-    """The model's ``backend=`` for a benchmark backend; the graphed one needs CUDA (else the case is skipped)."""
-    if backend != GRAPH:
+    """The model's ``backend=`` for a benchmark backend; a graphed one needs CUDA (else the case is skipped)."""
+    if not backend.endswith("+graph"):
         return backend
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
     return "auto"
 
 
-def _time_train_step(benchmark, net, batch: dict, *info, **more_info) -> None:
+def _time_train_step(benchmark, net, batch: dict, *info, graphed: bool = False, **more_info) -> None:
     """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step;
-    with ``backend="auto+graph"`` the step is captured in a CUDA graph first and each timed step replays it.
+    ``graphed``: the step is captured in a CUDA graph first and each timed step replays it (CUDA only).
 
     ``extra_info`` gets ``info`` and ``more_info`` (which must name the ``op`` and the ``backend``), the
     device and, on CUDA, the peak memory of the timed steps. The benchmark group is the op and the size.
     """
     device = bench_device()
-    graphed = more_info["backend"] == GRAPH
     lr = torch.tensor(1e-3, device=device) if graphed else 1e-3
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, capturable=graphed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -165,7 +173,8 @@ def test_headless_train_step(benchmark, size: Size, backend: str):
         "available": torch.ones(size.batch, num_actions, dtype=torch.bool, device=device),
         "mask": torch.ones_like(states, dtype=torch.bool),
     }  # fmt: skip
-    _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model="headless_ad", backend=backend)
+    _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model="headless_ad", backend=backend,
+                     graphed=backend == GRAPH)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["incremental", "recompute"])

@@ -4,6 +4,8 @@
 :class:`~icrl_models.models.dt_moa.DecisionTransformerMoA` on a batch of ``k``-step windows:
 
 * ``moa``: layer 0 MoA-gated (softmax), the library's gating kernel (``backend="auto"``);
+* ``moa+graph``: ``moa`` with the whole step replayed from a CUDA graph (CUDA only; ``icrl-markov
+  --cuda-graph``);
 * ``moa-reference``: the same model with the readable reference gating (``backend="reference"``);
 * ``ungated``: no MoA layer (``gate=None`` everywhere): plain GPT-2 attention, the floor.
 
@@ -24,7 +26,7 @@ import torch
 
 from icrl_models.models import DecisionTransformerMoA, DTMoAConfig
 
-from .bench_ad import _time_train_step
+from .bench_ad import _kernels, _time_train_step
 from .conftest import as_params, bench_device, full_run
 
 
@@ -43,6 +45,7 @@ GPU_FULL = [Size("cpu-markov", 64, 4, 2, 10, 32), Size("gpt2-small", 768, 12, 12
 SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else SMOKE
 VARIANTS = {
     "moa": dict(moa_layers=(0,), backend="auto"),
+    "moa+graph": dict(moa_layers=(0,), backend="auto+graph"),
     "moa-reference": dict(moa_layers=(0,), backend="reference"),
     "ungated": dict(moa_layers=(), backend="auto"),
 }
@@ -67,9 +70,11 @@ def test_train_step(benchmark, size: Size, variant: str):
     device = bench_device()
     config = DTMoAConfig(
         state_sizes=(81, 81), context_len=size.context_len, n_layer=size.n_layer, n_head=size.n_head,
-        n_embd=size.n_embd, n_positions=max(3 * size.context_len, 60), **VARIANTS[variant],
+        n_embd=size.n_embd, n_positions=max(3 * size.context_len, 60),
+        **{**VARIANTS[variant], "backend": _kernels(VARIANTS[variant]["backend"], device)},
     )  # fmt: skip
     torch.manual_seed(0)
     net = DecisionTransformerMoA(config).to(device)
     batch = _batch(size, config, device)
-    _time_train_step(benchmark, net, batch, size._asdict(), op="dt_moa_train_step", model="dt_moa", backend=variant)
+    _time_train_step(benchmark, net, batch, size._asdict(), op="dt_moa_train_step", model="dt_moa", backend=variant,
+                     graphed=variant.endswith("+graph"))  # fmt: skip

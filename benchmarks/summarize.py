@@ -211,7 +211,7 @@ OPS: dict[str, OpSpec] = {
     ),
     "dt_moa_train_step": OpSpec(
         "DT with MoA training step",
-        ours={"cpu": ("moa",)},
+        ours={"cuda": ("moa+graph", "moa"), "cpu": ("moa",)},
         peers=("moa-reference", "ungated"),
         roofline_target=False,
     ),
