@@ -125,6 +125,8 @@ class Context:
     record: dict = field(default_factory=dict)
     #: ``--headline-k``: a pytest ``-k`` expression narrowing the ``headline`` stage (None: every case).
     headline_k: str | None = None
+    #: ``--cuda-graph``: the ``paper-goals`` stage's runs replay their training steps from CUDA graphs.
+    cuda_graph: bool = False
 
     @property
     def device(self) -> str:
@@ -563,6 +565,8 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
                   "--backend", "eager"]  # fmt: skip
     elif PAPER_GOALS_RESULTS.exists():
         flags += ["--reuse-results", str(PAPER_GOALS_RESULTS)]
+    if ctx.cuda_graph:  # not part of a trial's identity: reused trials stay valid
+        flags += ["--cuda-graph"]
     command = [sys.executable, "-m", "icrl_models.experiments.ngram_ad", *flags]
     sweep = dataclasses.replace(ctx, deadline=ctx.deadline - PAPER_GOALS_REPORT_SECONDS)
     code = sweep.run(command, "paper-goals.log")
@@ -679,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="EXPR",
         help="pytest -k expression for the headline stage (e.g. the cases an earlier run did not reach)",
     )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="paper-goals: train with icrl-train --cuda-graph (once the parity stage passed its graphed tests)",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, (_, estimate) in STAGES.items():
@@ -693,8 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     record = json.loads(record_path.read_text()) if record_path.exists() else {}
     for name, timeout in stages:
         ctx = Context(
-            args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout, headline_k=args.headline_k
-        )
+            args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout, headline_k=args.headline_k,
+            cuda_graph=args.cuda_graph,
+        )  # fmt: skip
         print(f"[gpu_check] {name} ...", flush=True)
         start = time.monotonic()
         try:

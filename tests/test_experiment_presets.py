@@ -34,3 +34,14 @@ def test_compare_presets_build(preset):
     config = ngram_ad.CompareConfig(preset=preset)
     trials = ngram_ad.build_trials(config)
     assert len(trials) == 2 * config.runs * len(config.seeds) * len(config.num_train_tasks) * len(config.num_histories)
+
+
+def test_speed_flags_reach_every_run(tmp_path):
+    """``--cuda-graph`` (and ``--compile``) of the experiment commands reach each run's ``TrainConfig``."""
+    trials = ngram_ad.build_trials(ngram_ad.CompareConfig(cuda_graph=True, runs=1, seeds=(0,)))
+    assert trials and all(trial.config.cuda_graph for trial in trials)
+    config = headless_ad.HeadlessExperimentConfig(cuda_graph=True, out_dir=str(tmp_path))
+    runs = headless_ad._train_configs(config, tmp_path)
+    assert all(run.cuda_graph for run in runs.values())
+    with pytest.raises(ValueError, match="cuda_graph and compile"):
+        ngram_ad.build_trials(ngram_ad.CompareConfig(cuda_graph=True, compile=True, runs=1, seeds=(0,)))

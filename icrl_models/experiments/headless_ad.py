@@ -173,6 +173,9 @@ class HeadlessExperimentConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
+    cuda_graph: bool = dataclasses.field(
+        default=False, metadata={"help": "CUDA only: replay each training step from a CUDA graph (icrl-train)"}
+    )
     ablations: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": f"bernoulli: train these Headless-AD variants instead ('all' or any of {tuple(ABLATIONS)}) "
@@ -213,7 +216,7 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
     data = out_dir / "train.icrl"
     configs = preset_configs(config.experiment, config.preset, out_dir, str(data), config.seed)
     overrides = {"device": config.device, "progress": config.progress, "threads": config.threads,
-                 "compile": config.compile}  # fmt: skip
+                 "compile": config.compile, "cuda_graph": config.cuda_graph}  # fmt: skip
     if config.steps is not None:
         overrides["steps"] = config.steps
     if config.experiment != "darkroom":

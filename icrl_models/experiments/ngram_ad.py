@@ -243,6 +243,9 @@ class CompareConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
+    cuda_graph: bool = dataclasses.field(
+        default=False, metadata={"help": "CUDA only: replay each run's training steps from a CUDA graph (icrl-train)"}
+    )
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -357,7 +360,7 @@ def build_trials(config: CompareConfig) -> list[Trial]:
                 backend=config.backend, steps=config.steps, batch_size=config.batch_size, d_model=config.d_model,
                 num_heads=config.num_heads, num_layers=config.num_layers, eval_episodes=config.eval_episodes,
                 eval_envs_per_task=config.eval_envs_per_task, eval_tasks=config.eval_tasks or None, seed=seed,
-                progress=config.progress, threads=config.threads, compile=config.compile,
+                progress=config.progress, threads=config.threads, compile=config.compile, cuda_graph=config.cuda_graph,
             )  # fmt: skip
             for index, assignment in enumerate(draws[seed]):
                 for model in config.models:
