@@ -414,6 +414,8 @@ def _train(config: TrainConfig) -> dict:
         optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
         rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
         torch.set_rng_state(payload["rng"]["torch"])
+        if "cuda" in payload["rng"] and ddp.device.type == "cuda":  # Headless-AD's maps, dropout on the GPU
+            torch.cuda.set_rng_state(payload["rng"]["cuda"], ddp.device)
         step = int(payload["step"])
     metrics_path = run_dir / "metrics.jsonl"
     if ddp.is_main:
@@ -569,6 +571,14 @@ def _loss(model, trained, batch, config: TrainConfig) -> torch.Tensor:
     return action_loss(logits, {**batch, "actions": batch["local_actions"]}, config.label_smoothing)
 
 
+def _cuda_rng_state(model) -> dict:
+    """``{"cuda": state}`` of the default CUDA generator of the model's device ({} off CUDA): a resumed run
+    then draws the same Headless-AD maps and dropout masks as an uninterrupted one. Every rank of a
+    data-parallel run seeds its device alike, so rank 0's state stands for all."""
+    device = next(model.parameters()).device
+    return {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}
+
+
 def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -> None:
     states = [None] * ddp.world_size
     if ddp.world_size > 1:
@@ -583,7 +593,7 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
                 "config": identity,
                 "model": model.state_dict(),
                 "optimizer": eager_optimizer_state(optimizer),
-                "rng": {"numpy": states, "torch": torch.get_rng_state()},
+                "rng": {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)},
             },
             path,
         )

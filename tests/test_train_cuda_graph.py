@@ -267,10 +267,36 @@ def test_action_map_set_map_checks_its_argument():
 
 
 # -- GPU ---------------------------------------------------------------------------------------------
+def _killed_then_resumed(config: TrainConfig, resumed: TrainConfig, monkeypatch) -> list[dict]:
+    """Train ``config`` until step 5 (its last checkpoint at step 4), then resume it as ``resumed``."""
+    import icrl_models.train as train_module
+
+    original = train_module.learning_rate_at
+
+    def die_at_step_6(step, cfg):
+        if step == 5:
+            raise KeyboardInterrupt
+        return original(step, cfg)
+
+    monkeypatch.setattr(train_module, "learning_rate_at", die_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train(config)
+    monkeypatch.setattr(train_module, "learning_rate_at", original)
+    train(resumed)
+    return _rows(resumed)
+
+
+def test_resuming_across_the_flag_on_cpu(tmp_path, monkeypatch):
+    """The kill-and-resume of the GPU test below, on the CPU (where the flag is ignored): its plumbing."""
+    config = _tiny(tmp_path, "ad", "dark_room", backend="eager", steps=8, checkpoint_every=4)
+    rows = _killed_then_resumed(config, TrainConfig(**{**config.__dict__, "cuda_graph": True}), monkeypatch)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("model, env", MODELS)
-def test_graphed_training_matches_eager_training(tmp_path, model, env):
+def test_graphed_training_matches_eager_training(tmp_path, monkeypatch, model, env):
     """Same seed, same batches, no dropout: the graphed run's logged losses and gradient norms follow the
     eager run's (bf16 autocast, Triton kernels), and its checkpoint resumes eagerly."""
     settings = dict(device="cuda", backend="auto", steps=8, checkpoint_every=4)
@@ -282,11 +308,18 @@ def test_graphed_training_matches_eager_training(tmp_path, model, env):
         got = torch.tensor([row[name] for row in _rows(graphed)])
         want = torch.tensor([row[name] for row in _rows(eager)])
         assert_close_rel(got, want, rms_tol=2e-2, name=f"{model}: {name} per step, graphed against eager")
-    # A graphed run's checkpoint resumes in an eager run, and an eager one in a graphed run.
+    # A graphed run's checkpoint resumes in an eager run, and an eager one's in a graphed run; each resumed
+    # run's losses follow the uninterrupted run's.
     for source, resume_graphed in ((graphed, False), (eager, True)):
-        longer = TrainConfig(**{**source.__dict__, "steps": 12, "cuda_graph": resume_graphed})
-        train(longer)
-        assert [row["step"] for row in _rows(longer)] == list(range(1, 13))
+        interrupted = TrainConfig(**{**source.__dict__, "out_dir": str(tmp_path / f"resumed-{resume_graphed}")})
+        resumed = TrainConfig(**{**interrupted.__dict__, "cuda_graph": resume_graphed})
+        rows = _killed_then_resumed(interrupted, resumed, monkeypatch)
+        assert [row["step"] for row in rows] == list(range(1, 9))
+        got = torch.tensor([row["loss"] for row in rows])
+        want = torch.tensor([row["loss"] for row in _rows(source)])
+        assert_close_rel(
+            got, want, rms_tol=2e-2, name=f"{model}: losses of the run resumed with cuda_graph={resume_graphed}"
+        )
 
 
 @pytest.mark.gpu
