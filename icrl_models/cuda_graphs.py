@@ -165,7 +165,8 @@ def capture_train_step(
 
 def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A CPU batch in pinned memory when ``device`` is CUDA (as it is otherwise): its copy to the device
-    then runs asynchronously, where a copy from pageable memory makes the host wait for the device."""
+    then runs asynchronously, where CUDA documents that a copy from pageable memory may make the host wait
+    for the stream."""
     if device.type != "cuda":
         return dict(batch)
     return {name: value.pin_memory() if value.device.type == "cpu" else value for name, value in batch.items()}

@@ -537,7 +537,7 @@ def _trim_metrics(path: Path, step: int) -> list[dict]:
 
 def _next_batch(windows: HistoryWindows, rng: np.random.Generator, config: TrainConfig, model, device) -> dict:
     """The next training batch of ``config.batch_size`` random windows, on the CPU (in pinned memory when
-    ``device`` is CUDA, so that its copy to the device does not make the host wait for the device), plus
+    ``device`` is CUDA, so that its copy to the device need not wait for the device), plus
     for Headless-AD the step's random action map, drawn on ``device`` (``action_map``)."""
     batch = pinned(windows.get_batch(rng.integers(0, len(windows), size=config.batch_size)), device)
     if isinstance(model, HeadlessADModel):

@@ -151,10 +151,12 @@ select_actions_op = inference_op("select_actions", _select_actions, fake=_select
 
 def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
     """One int64 seed as a ``[1]`` tensor on ``device``, drawn from ``generator`` (torch's global CPU
-    generator when None) on the generator's own device and copied without a host read or a stream sync
-    (a CPU -> CUDA copy of 8 pageable bytes with ``non_blocking=True`` does not wait for the GPU)."""
+    generator when None) on the generator's own device and copied without a host read. A CPU seed bound for
+    a GPU is pinned first: CUDA documents that a copy from pageable memory may wait for the stream."""
     seed_device = generator.device if generator is not None else torch.device("cpu")
     seed = torch.randint(0, 2**62, (1,), generator=generator, device=seed_device)
+    if seed.device.type == "cpu" and device.type == "cuda":
+        seed = seed.pin_memory()
     return seed.to(device, non_blocking=True)
 
 
