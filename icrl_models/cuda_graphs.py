@@ -210,7 +210,13 @@ class StepRunner:
                 return self.step(dict(zip(self.names, tensors)))
 
             example = list(to_device(batch, self.device).values())
-            self.captured = capture_train_step(named_step, self.model, self.optimizer, example)
+            try:
+                self.captured = capture_train_step(named_step, self.model, self.optimizer, example)
+            except RuntimeError as error:  # an op that cannot be captured: a bug of ours, with its traceback
+                raise RuntimeError(
+                    f"cuda_graph: capturing the training step failed ({error}); train without the CUDA graph "
+                    "(--cuda-graph off) and report this"
+                ) from error
         if tuple(batch) != self.names:
             raise ValueError(f"batch must hold the captured tensors {self.names}, got {tuple(batch)}")
         return self.captured(*batch.values())  # copies the batch into the graph's inputs and replays
