@@ -11,12 +11,15 @@ default CUDA generator can be recorded once and replayed:
   one graph, replayed per batch. The optimiser must be ``torch.optim.Adam``/``AdamW`` with
   ``capturable=True`` (the step counter and the learning rate live on the device);
   :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``.
+* :class:`StepRunner` runs a trainer's ``step(batch)`` on dict batches, eagerly or captured on the first
+  batch and replayed; :func:`pinned` puts a CPU batch in pinned memory so that its copy to the GPU runs
+  asynchronously.
 * :func:`set_learning_rate` changes a capturable optimiser's learning rate in place, so a schedule reaches
   the graph; :func:`eager_optimizer_state` saves its state as a non-capturable optimiser would, so
   checkpoints load into graphed and eager runs alike.
 
-Used by ``icrl-train --cuda-graph`` (:mod:`icrl_models.train`) and the looped transformer's trainer
-(:mod:`icrl_models.looped_step`).
+Used by ``icrl-train --cuda-graph`` (:mod:`icrl_models.train`; also ``icrl-compare`` and ``icrl-headless``),
+``icrl-markov --cuda-graph`` and the looped transformer's trainer (:mod:`icrl_models.looped_step`).
 """
 
 from __future__ import annotations
