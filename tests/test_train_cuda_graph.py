@@ -343,3 +343,29 @@ def test_graphed_dt_moa_steps_match_eager(gate):
         losses[graphed] = torch.stack([runner(batch) for batch in batches]).float().cpu()
         assert runner.graphed == graphed
     assert_close_rel(losses[True], losses[False], rms_tol=2e-2, name=f"DT-MoA ({gate}) losses, graphed against eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model, env", MODELS)
+def test_eager_training_step_does_not_synchronise(tmp_path, model, env):
+    """The eager step on a GPU (default AdamW, bf16 autocast, Triton kernels) under torch's sync-debug mode:
+    what the CPU detector above checks, on the device (the batch and Headless-AD's map are drawn before)."""
+    device = torch.device("cuda")
+    config = _tiny(tmp_path, model, env, device="cuda", backend="auto")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), 1e-3)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+    rng = np.random.default_rng(0)
+    first, second = (cuda_graphs.to_device(_next_batch(windows, rng, config, net, device), device) for _ in range(2))
+    train_step(net, net, optimizer, first, config, autocast)  # warm-up: compiles, autotunes, AdamW's state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats = train_step(net, net, optimizer, second, config, autocast)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(stats).all()
