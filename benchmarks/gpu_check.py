@@ -127,6 +127,8 @@ class Context:
     headline_k: str | None = None
     #: ``--cuda-graph``: the ``paper-goals`` stage's runs replay their training steps from CUDA graphs.
     cuda_graph: bool = False
+    #: ``--parity-k``: a pytest ``-k`` expression narrowing the ``parity`` stage's CUDA suite (None: all of it).
+    parity_k: str | None = None
 
     @property
     def device(self) -> str:
@@ -345,8 +347,9 @@ def stage_parity(ctx: Context) -> tuple[str, dict]:
             # which are CPU-bound, so one xdist worker per core (up to 16).
             workers = min(16, len(os.sched_getaffinity(0)))
             xdist = ["-n", str(workers)] if _has_xdist() and workers > 1 else []
-            code = _pytest(ctx, [*xdist, "-m", "gpu", "tests"], "parity.log", junit)
-            results["suite"] = {"exit": code, **_junit_counts(junit)}
+            narrow = ["-k", ctx.parity_k] if ctx.parity_k else []
+            code = _pytest(ctx, [*xdist, "-m", "gpu", *narrow, "tests"], "parity.log", junit)
+            results["suite"] = {"exit": code, **_junit_counts(junit), "k": ctx.parity_k}
 
         # One pytest process for the whole selection: under the sanitizer, CUDA and torch start-up alone take
         # tens of seconds, so one process per file would spend most of the stage starting.
@@ -684,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
         help="pytest -k expression for the headline stage (e.g. the cases an earlier run did not reach)",
     )
     parser.add_argument(
+        "--parity-k",
+        metavar="EXPR",
+        help="pytest -k expression for the parity stage's CUDA tests (e.g. the files changed since the last "
+        "GPU run); the memcheck run of the edge cases is unchanged",
+    )
+    parser.add_argument(
         "--cuda-graph",
         action="store_true",
         help="paper-goals: train with icrl-train --cuda-graph (once the parity stage passed its graphed tests)",
@@ -703,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, timeout in stages:
         ctx = Context(
             args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout, headline_k=args.headline_k,
-            cuda_graph=args.cuda_graph,
+            cuda_graph=args.cuda_graph, parity_k=args.parity_k,
         )  # fmt: skip
         print(f"[gpu_check] {name} ...", flush=True)
         start = time.monotonic()
