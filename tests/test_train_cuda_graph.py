@@ -105,6 +105,57 @@ def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend,
     assert loss.shape == () and torch.isfinite(loss)
 
 
+def _emulated_capture(step, model, optimizer, example_inputs, *, warmup_steps=3):
+    """:func:`~icrl_models.cuda_graphs.capture_train_step` on the CPU, without the graph: the same static input
+    buffers, warm-up steps and restore; a "replay" runs ``step`` on the static buffers. What a real capture
+    adds (recording the kernels) needs a GPU; everything around it is checked here."""
+    static = [x.detach().clone() for x in example_inputs]
+    saved = cuda_graphs._snapshot(model, optimizer)
+    for _ in range(warmup_steps):
+        step(*static)
+    cuda_graphs._restore(saved, model, optimizer)
+
+    def replay(*inputs):
+        for buffer, value in zip(static, inputs, strict=True):
+            buffer.copy_(value)
+        return step(*static).clone()
+
+    return replay
+
+
+@pytest.mark.parametrize("model, env", MODELS)
+def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
+    capturable_on_cpu, monkeypatch, tmp_path, model, env
+):
+    """StepRunner's graphed path (static inputs by name, warm-up on the first batch then restored, the first
+    batch replayed) around icrl-train's step trains exactly as its eager path, for every model."""
+    config = _tiny(tmp_path, model, env, backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    monkeypatch.setattr(cuda_graphs, "capture_train_step", _emulated_capture)
+    autocast = torch.autocast("cpu", enabled=False)
+    losses, weights = {}, {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        net = config.build_model(histories)
+        optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        runner = cuda_graphs.StepRunner(
+            lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
+            torch.device("cpu"),
+        )  # fmt: skip
+        runner.graphed = graphed  # the graphed path, with the capture emulated
+        rng = np.random.default_rng(0)
+        torch.manual_seed(1)  # the same Headless-AD maps in both runs
+        losses[graphed] = torch.stack(
+            [runner(_next_batch(windows, rng, config, net, torch.device("cpu"))) for _ in range(4)]
+        )
+        weights[graphed] = [p.detach().clone() for p in net.parameters()]
+    torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=0)
+    for got, want in zip(weights[True], weights[False]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_capture_warm_up_of_headless_ad_is_undone(capturable_on_cpu, tmp_path):
     """Capturing warms up on real steps and then restores the model and optimiser state; Headless-AD's
     step replaces its action map (a non-persistent buffer) with the graph's input, which the restore must
