@@ -470,12 +470,13 @@ def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "ngram-crossover", ["benchmarks/bench_ngram_attention.py", "-k", "tiled_crossover"])
 
 
-#: The training runs of the ``train`` stage: ``(name, icrl-train flags)``, each in every :data:`TRAIN_MODES`.
-#: The main job (N-Gram AD, width 64), N-Gram AD at the paper's width 512, and Headless-AD on bandits.
+#: The training runs of the ``train`` stage, each in every :data:`TRAIN_MODES`: ``(name, model and task flags,
+#: size flags)`` (the dry run replaces the size flags by a tiny size). The main job (N-Gram AD, width 64),
+#: N-Gram AD at the paper's width 512, and Headless-AD on bandits.
 TRAIN_RUNS = [
-    ("main-job", []),
-    ("ngram-ad-512", ["--d-model", "512", "--num-heads", "8", "--seq-len", "250", "--batch-size", "64"]),
-    ("headless-ad", ["--model", "headless_ad", "--env", "bernoulli_bandit"]),
+    ("main-job", [], []),
+    ("ngram-ad-512", [], ["--d-model", "512", "--num-heads", "8", "--seq-len", "250", "--batch-size", "64"]),
+    ("headless-ad", ["--model", "headless_ad", "--env", "bernoulli_bandit"], []),
 ]
 #: ``(mode, icrl-train flags)``: the fused kernels, the same with each step replayed from a CUDA graph, and
 #: the plain-PyTorch reference. (The dry run on the CPU replaces ``auto`` by ``eager``; ``--cuda-graph``
@@ -510,10 +511,9 @@ def stage_train(ctx: Context) -> tuple[str, dict]:
               "--log-every", "1" if ctx.dry_run else "20", "--checkpoint-every", str(10 * steps), "--eval-tasks", "2",
               "--eval-episodes", "2", "--eval-envs-per-task", "1", "--device", ctx.device, "--no-progress"]  # fmt: skip
     results, codes = [], []
-    for name, flags in TRAIN_RUNS:
-        if ctx.dry_run:  # the plumbing only: interpreted kernels at width 512 would take many minutes
-            flags = [*(flag for flag in flags if flag in ("--model", "headless_ad", "--env", "bernoulli_bandit")),
-                     "--seq-len", "20", "--batch-size", "4"]  # fmt: skip
+    for name, task_flags, size_flags in TRAIN_RUNS:
+        # The dry run checks the plumbing only: interpreted kernels at width 512 would take many minutes.
+        flags = [*task_flags, *(["--seq-len", "20", "--batch-size", "4"] if ctx.dry_run else size_flags)]
         data = None  # the first mode's run generates the histories; the others read them
         for mode, mode_flags in TRAIN_MODES:
             if ctx.dry_run:

@@ -72,11 +72,23 @@ class ActionMap(nn.Module):
         ``num_actions`` resizes the map (the action set of this batch or rollout); default: unchanged."""
         if num_actions is not None:
             self.num_actions = check_int(num_actions, "num_actions", min_value=1)
-        device = self.embeddings.device if device is None else device
-        self.embeddings = orthonormal_embeddings(
-            self.num_actions, self.embed_dim, batch=batch, generator=generator, device=device
-        )
+        self.embeddings = self.draw(batch, generator=generator, device=device)
         return self.embeddings
+
+    @torch.no_grad()
+    def draw(
+        self,
+        batch: int | None = None,
+        *,
+        num_actions: int | None = None,
+        generator: torch.Generator | None = None,
+        device=None,
+    ) -> torch.Tensor:
+        """A fresh map as :meth:`regenerate` draws it (default ``num_actions``: the current one; default
+        ``device``: where the module is), returned without being installed (see :meth:`set_map`)."""
+        num_actions = self.num_actions if num_actions is None else check_int(num_actions, "num_actions", min_value=1)
+        device = self.embeddings.device if device is None else device
+        return orthonormal_embeddings(num_actions, self.embed_dim, batch=batch, generator=generator, device=device)
 
     def set_map(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Use ``embeddings`` (``[A, D]``, or ``[B, A, D]`` one map per sequence) as the map, as it is (not

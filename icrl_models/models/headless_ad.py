@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from icrl_kernels import ActionMap, orthonormal_embeddings
+from icrl_kernels import ActionMap
 
 from .._checks import check_float, check_generator, check_int
 from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields
@@ -274,7 +274,7 @@ class HeadlessADModel(nn.Module):
         """A fresh random orthonormal action map ``[num_actions, embed_dim]`` on the model's device, drawn
         exactly as :meth:`loss` draws its own (for ``loss(..., action_map=)``)."""
         check_generator(generator)
-        return orthonormal_embeddings(num_actions, self.config.embed_dim, generator=generator, device=self.device)
+        return self.action_map.draw(num_actions=num_actions, generator=generator, device=self.device)
 
     def init_decode_state(
         self, batch: int, max_steps: int, *, available: torch.Tensor, generator: torch.Generator | None = None
