@@ -27,7 +27,9 @@ def _runs_on_cuda(item) -> bool:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _runs_on_cuda(item):
+            # Device-parametrised tests check ValueErrors on every device: on CUDA that needs synchronous checks.
             item.add_marker(pytest.mark.gpu)
+            item.add_marker(pytest.mark.sync_value_checks)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

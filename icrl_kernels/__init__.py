@@ -6,7 +6,7 @@ PyTorch, or the Triton interpreter when ``TRITON_INTERPRET=1``; ``backend=`` ove
 """
 
 from ._backend import BACKENDS, resolve_backend
-from ._validation import VALUE_CHECK_MODES, set_value_checks, value_checks
+from ._validation import VALUE_CHECK_MODES, device_side_value_checks, set_value_checks, value_checks
 from .attention import gated_attention, gated_attention_reference
 from .contrastive import (
     OvercompleteEmbeddingWarning,
@@ -41,6 +41,7 @@ __all__ = [
     "NGramDecodeState",
     "NGramPlan",
     "OvercompleteEmbeddingWarning",
+    "device_side_value_checks",
     "gated_attention",
     "gated_attention_reference",
     "infonce_loss",

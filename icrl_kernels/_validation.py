@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -172,7 +173,8 @@ def check_generator(value: object, name: str = "generator") -> torch.Generator |
 #: reported at a later CUDA call and ends the process's CUDA context. ``"sync"``: the clear
 #: ``ValueError`` on every device (one host sync per check: for debugging). ``"async"``: the device
 #: assert on every device (on CPU it raises ``RuntimeError`` at once; tests use it to run the GPU's
-#: code path on CPU). ``"off"``: no value checks.
+#: code path on CPU). ``"off"``: no value checks. While a CUDA stream is capturing a graph every mode but
+#: ``"off"`` takes the device assert: nothing is read on the host inside a capture.
 VALUE_CHECK_MODES = ("auto", "sync", "async", "off")
 _value_check_mode = os.environ.get("ICRL_VALUE_CHECKS", "auto").strip().lower()
 if _value_check_mode not in VALUE_CHECK_MODES:
@@ -194,10 +196,41 @@ def value_checks() -> str:
     return _value_check_mode
 
 
+_device_side_scopes = 0
+
+
+@contextlib.contextmanager
+def device_side_value_checks() -> Iterator[None]:
+    """Inside this context every value check queues its device assert, whatever the mode (but ``"off"``):
+    nothing is read on the host. What a CUDA graph capture does by itself; graph capture helpers also wrap
+    the warm-up step that they run under torch's sync-debug mode, so that it checks exactly what the
+    graph will."""
+    global _device_side_scopes
+    _device_side_scopes += 1
+    try:
+        yield
+    finally:
+        _device_side_scopes -= 1
+
+
 def synchronous_value_checks(device: torch.device) -> bool:
     """Whether a value check on ``device`` reads its result on the host and raises ``ValueError`` at once
-    (mode ``"sync"``, or ``"auto"`` on the CPU), rather than queueing a device assert."""
-    return _value_check_mode == "sync" or (_value_check_mode == "auto" and device.type == "cpu")
+    (mode ``"sync"``, or ``"auto"`` on the CPU), rather than queueing a device assert.
+
+    Never while the current CUDA stream is capturing a graph, whatever the mode: a host read there would
+    invalidate the capture (and a check read once at capture time would not run at replay). The device
+    assert is recorded in the graph instead and runs at every replay. Nor inside
+    :func:`device_side_value_checks`."""
+    if _device_side_scopes or _capturing(device):
+        return False
+    if device.type == "cpu":
+        return _value_check_mode in ("sync", "auto")
+    return _value_check_mode == "sync"
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph capture is underway on the current stream (False off CUDA)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | None = None) -> None:

@@ -10,7 +10,9 @@ default CUDA generator can be recorded once and replayed:
   optimiser step) with PyTorch's whole-network capture: warm-up on a side stream, static input buffers,
   one graph, replayed per batch. The optimiser must be ``torch.optim.Adam``/``AdamW`` with
   ``capturable=True`` (the step counter and the learning rate live on the device);
-  :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``.
+  :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``. The last warm-up step runs
+  under torch's sync-debug mode (a host read fails there, naming its line), and a failed capture raises
+  :class:`CaptureError` with the model, optimiser and random generators as before.
 * :class:`StepRunner` runs a trainer's ``step(batch)`` on dict batches, eagerly or captured on the first
   batch and replayed; :func:`pinned` puts a CPU batch in pinned memory so that its copy to the GPU runs
   asynchronously.
@@ -30,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from icrl_kernels import LoopedBlock
+from icrl_kernels import LoopedBlock, device_side_value_checks
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -88,6 +90,73 @@ def eager_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     return {**state, "state": per_param, "param_groups": groups}
 
 
+class CaptureError(RuntimeError):
+    """A training step could not be captured in a CUDA graph (it synchronises the host with the device, or
+    runs an operation a graph cannot hold). The attempt is undone: the model's parameters and buffers, the
+    optimiser's state and the random generators are as they were before it, and no graph is kept."""
+
+
+class _CudaGraphs:
+    """What capturing needs from CUDA, in one place: a side stream for the warm-up, torch's sync-debug mode,
+    the generators' states and the capture itself. (The tests substitute an emulation of it on the CPU.)
+
+    ``generators``: non-default CUDA generators the step draws from; each is registered with the graph, so
+    that every replay draws fresh numbers from it (the default generator of the device always is)."""
+
+    def __init__(self, device: torch.device, generators: Sequence[torch.Generator] = ()) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"example_inputs must be CUDA tensors: CUDA graphs need a CUDA device, got {device}")
+        for i, generator in enumerate(generators):
+            if not isinstance(generator, torch.Generator) or generator.device.type != "cuda":
+                raise TypeError(f"generators[{i}] must be a CUDA torch.Generator, got {generator!r}")
+        self.device = device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.extra_generators = list(generators)
+        self.generators = [torch.cuda.default_generators[index], *self.extra_generators]
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        """Run the body on a fresh stream that waits for, and is then waited on by, the current one."""
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    @contextlib.contextmanager
+    def host_syncs_raise(self):
+        """torch's sync-debug mode ``"error"``: an operation that synchronises with the host raises at once,
+        with the traceback of the line that called it."""
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    def generator_states(self) -> list[torch.Generator]:
+        return [generator.clone_state() for generator in self.generators]
+
+    def restore_generator_states(self, states: list[torch.Generator]) -> None:
+        # graphsafe_set_state swaps in a clean state object: a failed capture can leave the old one marked
+        # as capturing, and every later random draw outside a graph would then fail.
+        for generator, state in zip(self.generators, states):
+            generator.graphsafe_set_state(state)
+
+    def capture(self, record: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """``record()`` captured in a new graph; returns the graph and the static output."""
+        graph = torch.cuda.CUDAGraph()
+        for generator in self.extra_generators:
+            graph.register_generator_state(generator)
+        try:
+            with torch.cuda.graph(graph):
+                output = record()
+        except BaseException:
+            graph.reset()  # drops what was recorded and the graph's hold on the generators and memory pool
+            raise
+        return graph, output
+
+
 class GraphedTrainStep:
     """A training step captured in one CUDA graph; call it with a batch to copy the batch into the static
     input buffers and replay. Returns the step's output (its loss, or any tensor of statistics) as a fresh
@@ -96,6 +165,12 @@ class GraphedTrainStep:
     Built by :func:`capture_train_step` (or the looped model's
     :func:`~icrl_models.looped_step.make_graphed_train_step`). Inputs must keep the captured shapes; they
     are copied with ``non_blocking=True``, so pinned CPU tensors let the host run ahead of the device.
+
+    Capturing first runs ``warmup_steps`` real steps on a side stream (Triton compiles and autotunes, cuBLAS
+    workspaces, the optimiser's state), the last of them under torch's sync-debug mode: a step that reads a
+    device value on the host fails there, with the traceback of the line that reads, instead of as an
+    invalid capture. Then it restores the model and optimiser state and records one step. If anything fails,
+    it raises :class:`CaptureError` with everything restored (generators included) and no graph kept.
     """
 
     def __init__(
@@ -106,6 +181,7 @@ class GraphedTrainStep:
         example_inputs: Sequence[torch.Tensor],
         *,
         warmup_steps: int = 3,
+        generators: Sequence[torch.Generator] = (),
     ) -> None:
         _check_adam(optimizer)
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
@@ -113,26 +189,36 @@ class GraphedTrainStep:
                 "optimizer must have capturable=True to be captured in a CUDA graph "
                 "(make_optimizer(..., capturable=True) or prepare_capturable(optimizer))"
             )
-        if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
-            raise ValueError("example_inputs must be CUDA tensors: CUDA graphs need a CUDA device")
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1, got {warmup_steps}")
+        if not example_inputs or not all(isinstance(x, torch.Tensor) for x in example_inputs):
+            raise TypeError("example_inputs must be a non-empty sequence of tensors")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+            raise ValueError(
+                f"warmup_steps must be an int >= 2 (the last runs under sync-debug mode), got {warmup_steps!r}"
+            )
+        graphs = _CudaGraphs(example_inputs[0].device, generators)
         self.static_inputs = [x.detach().clone() for x in example_inputs]
-        device = self.static_inputs[0].device
         # The warm-up runs real optimiser steps on the example batch; undo them afterwards so that capturing
         # does not change training (the capture itself runs nothing).
-        saved = _snapshot(model, optimizer)
-        with _no_loop_graphs(model):
-            side = torch.cuda.Stream(device=device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup_steps):  # Triton compiles and autotunes, cuBLAS workspaces, Adam's state
-                    step(*self.static_inputs)
-            torch.cuda.current_stream(device).wait_stream(side)
+        saved, generator_states = _snapshot(model, optimizer), graphs.generator_states()
+        try:
+            with _no_loop_graphs(model):
+                with graphs.side_stream():
+                    for _ in range(warmup_steps - 1):  # compiles and autotunes: these may synchronise
+                        step(*self.static_inputs)
+                    # The step as the graph will record it: value checks as device asserts, any host sync an error.
+                    with device_side_value_checks(), graphs.host_syncs_raise():
+                        step(*self.static_inputs)
+                _restore(saved, model, optimizer)
+                with device_side_value_checks():
+                    self.graph, self.static_output = graphs.capture(lambda: step(*self.static_inputs))
+        except BaseException as error:
             _restore(saved, model, optimizer)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.static_output = step(*self.static_inputs)
+            graphs.restore_generator_states(generator_states)
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            raise CaptureError(
+                f"capturing the training step in a CUDA graph failed: {type(error).__name__}: {error}"
+            ) from error
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         if len(inputs) != len(self.static_inputs):
@@ -154,16 +240,18 @@ def capture_train_step(
     example_inputs: Sequence[torch.Tensor],
     *,
     warmup_steps: int = 3,
+    generators: Sequence[torch.Generator] = (),
 ) -> GraphedTrainStep:
     """Capture ``step(*inputs) -> tensor`` (forward, backward and ``optimizer.step()``) in a CUDA graph for
     inputs shaped like ``example_inputs`` (CUDA tensors).
 
-    ``step`` must read no device value on the host and draw random numbers only from the default CUDA
-    generator (each replay then draws fresh ones). Capturing runs ``warmup_steps`` steps on the example
-    inputs (Triton compiles and autotunes, cuBLAS workspaces, the optimiser's state) and then restores the
-    parameters, buffers and optimiser state, so it leaves training unchanged.
+    ``step`` must read no device value on the host (the last warm-up step checks it under torch's
+    sync-debug mode) and draw random numbers from the default CUDA generator or from ``generators``
+    (registered with the graph; each replay then draws fresh numbers). Capturing runs ``warmup_steps >= 2``
+    steps on the example inputs and then restores the parameters, buffers and optimiser state, so it leaves
+    training unchanged; a failure raises :class:`CaptureError` and leaves nothing changed.
     """
-    return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps)
+    return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps, generators=generators)
 
 
 def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -186,7 +274,9 @@ class StepRunner:
     names and shapes. ``step`` gets the batch on ``device`` and must return a device tensor (the loss, or
     a few statistics), read on the host only when the caller asks.
 
-    A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`).
+    A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`). ``generators``:
+    non-default CUDA generators the step draws from (see :func:`capture_train_step`). If the capture fails,
+    the call raises :class:`CaptureError` (nothing changed, see there), and so does every later call.
     """
 
     def __init__(
@@ -197,15 +287,20 @@ class StepRunner:
         device: torch.device,
         *,
         cuda_graph: bool = False,
+        generators: Sequence[torch.Generator] = (),
     ) -> None:
         self.step, self.model, self.optimizer, self.device = step, model, optimizer, device
         self.graphed = bool(cuda_graph) and device.type == "cuda"
+        self.generators = tuple(generators)
         self.captured: GraphedTrainStep | None = None
+        self.failure: CaptureError | None = None
         self.names: tuple[str, ...] = ()
 
     def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if not self.graphed:
             return self.step(to_device(batch, self.device))
+        if self.failure is not None:
+            raise self.failure
         if self.captured is None:
             self.names = tuple(batch)
 
@@ -214,12 +309,12 @@ class StepRunner:
 
             example = list(to_device(batch, self.device).values())
             try:
-                self.captured = capture_train_step(named_step, self.model, self.optimizer, example)
-            except RuntimeError as error:  # an op that cannot be captured: a bug of ours, with its traceback
-                raise RuntimeError(
-                    f"cuda_graph: capturing the training step failed ({error}); train without the CUDA graph "
-                    "(--cuda-graph off) and report this"
-                ) from error
+                self.captured = capture_train_step(
+                    named_step, self.model, self.optimizer, example, generators=self.generators
+                )
+            except CaptureError as error:  # an op that cannot be captured: a bug of ours, with its traceback
+                self.failure = CaptureError(f"cuda_graph: {error}; train without the CUDA graph (--cuda-graph off)")
+                raise self.failure from error
         if tuple(batch) != self.names:
             raise ValueError(f"batch must hold the captured tensors {self.names}, got {tuple(batch)}")
         return self.captured(*batch.values())  # copies the batch into the graph's inputs and replays

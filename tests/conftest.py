@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from icrl_kernels import set_value_checks
 from icrl_kernels.testing import poisoned_outputs
@@ -16,16 +17,36 @@ def _poison_kernel_outputs():
 
 
 @pytest.fixture(autouse=True)
-def _synchronous_value_checks():
-    """Bad values (targets out of range, NaN, ...) raise ``ValueError`` on CUDA too. The default ("auto")
-    is an asynchronous device assert there, which ends the worker's CUDA context and fails every later
-    CUDA test in it; the tests of that mode (``test_no_host_sync.py``) choose it explicitly. On the CPU
-    "sync" and "auto" are the same."""
+def _synchronous_value_checks(request):
+    """Bad values (targets out of range, NaN, ...) raise ``ValueError`` on CUDA too, in the tests that check
+    them: every test not marked ``gpu`` (on the CPU "sync" and "auto" are the same), and the ``gpu`` tests
+    marked ``sync_value_checks`` (the device-parametrised ones are, by the root conftest). There the default
+    ("auto") is an asynchronous device assert, which ends the worker's CUDA context and fails every later
+    CUDA test in it. The other ``gpu`` tests (training steps, CUDA graphs, host syncs) run as users run: in
+    the default mode. The tests of the asynchronous mode (``test_no_host_sync.py``) choose it explicitly."""
+    keywords = request.node.keywords
+    if "gpu" in keywords and "sync_value_checks" not in keywords:
+        yield
+        return
     previous = set_value_checks("sync")
     try:
         yield
     finally:
         set_value_checks(previous)
+
+
+@pytest.fixture(autouse=True)
+def _cuda_state_isolated(request):
+    """A ``gpu`` test's asynchronous CUDA errors are reported by that test, not the next one, and a test that
+    changed torch's sync-debug mode cannot leave it on."""
+    if "gpu" not in request.node.keywords or not torch.cuda.is_available():
+        yield
+        return
+    try:
+        yield
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.fixture(autouse=True)

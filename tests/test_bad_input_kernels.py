@@ -36,6 +36,7 @@ EXEMPT = {
     "BACKENDS": "a tuple of backend names (resolve_backend's bad input is swept instead)",
     "VALUE_CHECK_MODES": "a tuple of mode names (set_value_checks' bad input is swept instead)",
     "value_checks": "a getter with no arguments",
+    "device_side_value_checks": "a context manager with no arguments",
     "OvercompleteEmbeddingWarning": "a warning class (orthonormal_embeddings' strict mode is swept instead)",
 }
 

@@ -329,3 +329,27 @@ def test_value_check_details_only_in_sync_errors():
 def test_set_value_checks_rejects_unknown_modes():
     with pytest.raises(ValueError, match="mode must be one of"):
         ik.set_value_checks("lazy")
+
+
+@pytest.mark.parametrize("mode", ["auto", "sync"])
+def test_value_checks_are_device_side_while_capturing(monkeypatch, mode):
+    """Inside a CUDA graph capture (emulated: the capture query answers True) and inside
+    ``device_side_value_checks()`` no mode reads the device: a synchronous check there would invalidate the
+    capture. Outside, "sync" reads on CUDA and "auto" does not; the CPU reads in both."""
+    from icrl_kernels._validation import check_values, synchronous_value_checks
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build has no query
+    previous = ik.set_value_checks(mode)
+    try:
+        assert synchronous_value_checks(cuda) == (mode == "sync") and synchronous_value_checks(cpu)
+        with ik.device_side_value_checks():
+            assert not synchronous_value_checks(cuda) and not synchronous_value_checks(cpu)
+            with HostReadDetector() as detector, pytest.raises(RuntimeError, match="x must be positive"):
+                check_values(torch.tensor(True), "x must be positive")  # the assert, not a ValueError
+            assert not detector.reads
+        assert synchronous_value_checks(cpu)  # the scope ended
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert not synchronous_value_checks(cuda) and synchronous_value_checks(cpu)
+    finally:
+        ik.set_value_checks(previous)

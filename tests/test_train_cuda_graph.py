@@ -10,6 +10,7 @@ the two modes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks
 
+import icrl_kernels
 import icrl_models.cuda_graphs as cuda_graphs
 from icrl_kernels import ActionMap
 from icrl_kernels.testing import assert_close_rel
@@ -105,34 +107,79 @@ def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend,
     assert loss.shape == () and torch.isfinite(loss)
 
 
-def _emulated_capture(step, model, optimizer, example_inputs, *, warmup_steps=3):
-    """:func:`~icrl_models.cuda_graphs.capture_train_step` on the CPU, without the graph: the same static input
-    buffers, warm-up steps and restore; a "replay" runs ``step`` on the static buffers. What a real capture
-    adds (recording the kernels) needs a GPU; everything around it is checked here."""
-    static = [x.detach().clone() for x in example_inputs]
-    saved = cuda_graphs._snapshot(model, optimizer)
-    for _ in range(warmup_steps):
-        step(*static)
-    cuda_graphs._restore(saved, model, optimizer)
+class _RaisingHostReadDetector(HostReadDetector):
+    """torch's sync-debug mode ``"error"`` on the CPU: the first host read raises, at the line that reads."""
 
-    def replay(*inputs):
-        for buffer, value in zip(static, inputs, strict=True):
-            buffer.copy_(value)
-        return step(*static).clone()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.reads:
+            raise RuntimeError(f"called a synchronizing CUDA operation (emulated): {self.reads[0]}")
+        return result
 
-    return replay
+
+class _EmulatedGraph:
+    def __init__(self, record, output):
+        self.record, self.output = record, output
+
+    def replay(self):
+        self.output.copy_(self.record())
+
+
+class _EmulatedGraphs:
+    """``cuda_graphs._CudaGraphs`` on the CPU, so that :class:`~icrl_models.cuda_graphs.GraphedTrainStep` runs its
+    whole procedure here (warm-up, sync-debug step, restore, capture, failure clean-up, replays): torch's
+    sync-debug mode is the host-read detector raising at the first read; a "capture" runs the step once under
+    the same detector (a host read invalidates a real capture) and then undoes it (a real capture runs nothing);
+    a "replay" runs the step on the static inputs. What a real capture adds (recording kernels) needs a GPU."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.captures = model, optimizer, 0
+
+    def __call__(self, device, generators=()):  # stands in for the class: _CudaGraphs(device, generators)
+        return self
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        yield
+
+    def host_syncs_raise(self):
+        return _RaisingHostReadDetector()
+
+    def generator_states(self):
+        return [torch.get_rng_state()]
+
+    def restore_generator_states(self, states):
+        torch.set_rng_state(states[0])
+
+    def capture(self, record):
+        self.captures += 1
+        saved, rng = cuda_graphs._snapshot(self.model, self.optimizer), torch.get_rng_state()
+        try:
+            with _RaisingHostReadDetector():
+                output = record()
+        finally:
+            cuda_graphs._restore(saved, self.model, self.optimizer)
+            torch.set_rng_state(rng)
+        graph = _EmulatedGraph(record, output.detach().clone())
+        return graph, graph.output  # the static output, overwritten by each replay
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(cuda_graphs, "_CudaGraphs", self)
+        return self
 
 
 @pytest.mark.parametrize("model, env", MODELS)
 def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
     capturable_on_cpu, monkeypatch, tmp_path, model, env
 ):
-    """StepRunner's graphed path (static inputs by name, warm-up on the first batch then restored, the first
-    batch replayed) around icrl-train's step trains exactly as its eager path, for every model."""
+    """StepRunner's graphed path (static inputs by name, warm-up on the first batch with a sync-debug step,
+    restored, then the capture and the replays) around icrl-train's step trains exactly as its eager path, for
+    every model; in synchronous value-check mode too (the tests' default, ``ICRL_VALUE_CHECKS=sync`` for
+    users): the checks inside the sync-debug step and the capture must not read the device."""
+    assert icrl_kernels.value_checks() == "sync"
     config = _tiny(tmp_path, model, env, backend="eager")
     histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
     windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
-    monkeypatch.setattr(cuda_graphs, "capture_train_step", _emulated_capture)
     autocast = torch.autocast("cpu", enabled=False)
     losses, weights = {}, {}
     for graphed in (False, True):
@@ -140,6 +187,7 @@ def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
         net = config.build_model(histories)
         optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
         prepare_capturable(optimizer)
+        graphs = _EmulatedGraphs(net, optimizer).install(monkeypatch)
         runner = cuda_graphs.StepRunner(
             lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
             torch.device("cpu"),
@@ -151,9 +199,66 @@ def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
             [runner(_next_batch(windows, rng, config, net, torch.device("cpu"))) for _ in range(4)]
         )
         weights[graphed] = [p.detach().clone() for p in net.parameters()]
+        assert graphs.captures == graphed
     torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=0)
     for got, want in zip(weights[True], weights[False]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _linear_step(model, optimizer, *, read_on_call=None):
+    """A tiny training step; with ``read_on_call=k`` its k-th call reads a device value on the host."""
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.dropout(model(x), 0.5).square().mean()
+        if read_on_call is not None and len(calls) == read_on_call:
+            loss = loss * float(loss.detach())  # a host read
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step, calls
+
+
+@pytest.mark.parametrize("read_on_call, where", [(3, "sync-debug warm-up step"), (4, "capture")])
+def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu, monkeypatch, read_on_call, where):
+    """A host read in the step fails the capture with one CaptureError, whether the sync-debug warm-up step
+    (the third of three) or the capture itself (the fourth call) meets it; the model, the optimiser state and
+    the random generator are as before the attempt; StepRunner does not try again."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+    prepare_capturable(optimizer)
+    step, calls = _linear_step(model, optimizer, read_on_call=read_on_call)
+    graphs = _EmulatedGraphs(model, optimizer).install(monkeypatch)
+    batch = {"x": torch.randn(4, 3)}
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    rng_before = torch.get_rng_state()
+    runner = cuda_graphs.StepRunner(lambda batch: step(batch["x"]), model, optimizer, torch.device("cpu"))
+    runner.graphed = True
+    with pytest.raises(cuda_graphs.CaptureError, match="synchronizing") as failure:
+        runner(batch)
+    assert "--cuda-graph off" in str(failure.value) and graphs.captures == (where == "capture")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed by the failed capture ({where})"
+    assert all(torch.count_nonzero(v) == 0 for state in optimizer.state.values() for v in state.values())
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    attempts = len(calls)
+    with pytest.raises(cuda_graphs.CaptureError):
+        runner({"x": torch.randn(4, 3)})
+    assert len(calls) == attempts, "a failed runner must not capture again"
+
+
+def test_capture_needs_two_warm_up_steps(capturable_on_cpu):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+    prepare_capturable(optimizer)
+    with pytest.raises(ValueError, match="warmup_steps must be an int >= 2"):
+        cuda_graphs.capture_train_step(lambda x: x.sum(), model, optimizer, [torch.ones(2)], warmup_steps=1)
+    with pytest.raises(ValueError, match="example_inputs must be CUDA tensors"):
+        cuda_graphs.capture_train_step(lambda x: x.sum(), model, optimizer, [torch.ones(2)])
 
 
 def test_capture_warm_up_of_headless_ad_is_undone(capturable_on_cpu, tmp_path):
@@ -420,3 +525,87 @@ def test_eager_training_step_does_not_synchronise(tmp_path, model, env):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(stats).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_synchronous_value_checks_do_not_break_a_capture():
+    """With ``ICRL_VALUE_CHECKS=sync`` a value check inside a user's own CUDA graph capture queues its device
+    assert instead of reading the device (which would invalidate the capture), and the graph replays it."""
+    previous = icrl_kernels.set_value_checks("sync")
+    try:
+        targets = torch.randint(0, 5, (8,), device="cuda")
+        embeddings = icrl_kernels.orthonormal_embeddings(5, 16, device="cuda")
+        pred = torch.randn(8, 16, device="cuda")
+        icrl_kernels.infonce_loss(pred, embeddings, targets)  # warm-up: compiles outside the capture
+        icrl_kernels.select_actions(pred, embeddings, mode="argmax")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss = icrl_kernels.infonce_loss(pred, embeddings, targets)
+            actions = icrl_kernels.select_actions(pred, embeddings, mode="argmax")
+        graph.replay()
+        torch.testing.assert_close(loss, icrl_kernels.infonce_loss(pred, embeddings, targets))
+        torch.testing.assert_close(actions, (pred @ embeddings.T).argmax(-1))
+    finally:
+        icrl_kernels.set_value_checks(previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_capture_leaves_cuda_usable():
+    """A step that reads the device on the host fails at the sync-debug warm-up step with CaptureError; the
+    model and the default CUDA generator are as before, random draws outside graphs still work, and a good step
+    captures afterwards (a failed capture used to leave the generator marked as capturing: "Offset increment
+    outside graph capture encountered unexpectedly" at the next random op)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+    prepare_capturable(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    rng_before = torch.cuda.get_rng_state()
+    bad, _ = _linear_step(model, optimizer, read_on_call=3)
+    with pytest.raises(cuda_graphs.CaptureError, match="synchroniz"):
+        cuda_graphs.capture_train_step(bad, model, optimizer, [torch.randn(4, 3, device="cuda")])
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert torch.equal(torch.cuda.get_rng_state(), rng_before)
+    torch.rand(5, device="cuda")
+    torch.nn.functional.dropout(torch.ones(5, device="cuda"), 0.5)
+    good, _ = _linear_step(model, optimizer)
+    graphed = cuda_graphs.capture_train_step(good, model, optimizer, [torch.randn(4, 3, device="cuda")])
+    assert torch.isfinite(graphed(torch.randn(4, 3, device="cuda"))).all()
+    torch.rand(5, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_non_default_generator_is_registered_with_the_graph():
+    """A step that draws from its own CUDA generator: each replay draws fresh numbers, the same sequence as
+    eager steps with an identically seeded generator."""
+    results = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2).cuda()
+        optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        noise = torch.Generator(device="cuda").manual_seed(7)
+
+        def step(x, model=model, optimizer=optimizer, noise=noise):
+            optimizer.zero_grad(set_to_none=True)
+            jitter = torch.randn(x.shape, device=x.device, generator=noise)
+            loss = model(x + jitter).square().mean()
+            loss.backward()
+            optimizer.step()
+            return loss.detach()
+
+        x = torch.randn(4, 3, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        if graphed:
+            run = cuda_graphs.capture_train_step(step, model, optimizer, [x], generators=[noise])
+            results[graphed] = torch.stack([run(x) for _ in range(4)])
+        else:
+            # The capture's warm-up draws 3 steps' noise (then restores the model, not the generator).
+            for _ in range(3):
+                torch.randn(x.shape, device="cuda", generator=noise)
+            results[graphed] = torch.stack([step(x) for _ in range(4)])
+    assert len(set(results[True].tolist())) == 4, "replays must draw fresh noise"
+    torch.testing.assert_close(results[True], results[False])
