@@ -141,7 +141,7 @@ class TrainConfig:
     eval_every: int = dataclasses.field(default=0, metadata={"help": "also evaluate every N steps (0: at the end)"})
     sample_actions: bool = dataclasses.field(default=True, metadata={"help": "sample (else argmax) at evaluation"})
     select_tau: float | None = dataclasses.field(
-        default=None, metadata={"help": "headless_ad: sampling temperature at evaluation (default: --tau)"}
+        default=None, metadata={"help": "sampling temperature at evaluation (default: --tau; AD: 1, as trained)"}
     )
     # -- run ---------------------------------------------------------------------------------------
     out_dir: str = dataclasses.field(default="runs/main", metadata={"help": "run folder"})
@@ -256,6 +256,7 @@ class TrainConfig:
             num_rewards=num_rewards,
             ngram_sizes=self.ngram_tuple(),
             ngram_tokens=self.ngram_tokens,
+            select_tau=self.select_tau,
             **shared,
         )
 

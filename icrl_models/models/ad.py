@@ -56,11 +56,17 @@ class ADConfig:
     attention_dropout: float = 0.0
     #: Kernel backend of the n-gram layers: "auto", "triton", "eager" or "reference".
     backend: str = "auto"
+    #: Temperature of action sampling (evaluation): actions are drawn from ``softmax(logits / select_tau)``;
+    #: ``None``: 1, the softmax the head was trained with. ``icrl-headless`` chooses it on held-out bandits
+    #: for AD as for Headless-AD, whose sampling temperature decides its score.
+    select_tau: float | None = None
 
     def __post_init__(self) -> None:
         check_backbone_fields(self)
         for name in ("num_actions", "num_rewards"):
             check_int(getattr(self, name), name, low=1)
+        if self.select_tau is not None and not check_float(self.select_tau, "select_tau") > 0:
+            raise ValueError(f"select_tau must be > 0 (or None: 1), got {self.select_tau}")
         check_int(self.num_layers, "num_layers", low=0)
         if isinstance(self.ngram_sizes, (str, bytes)) or not hasattr(self.ngram_sizes, "__iter__"):
             raise TypeError(f"ngram_sizes must be a tuple of ints, got {self.ngram_sizes!r}")
@@ -311,8 +317,8 @@ class ADModel(nn.Module):
     def act(
         self, state: ADDecodeState, states_t, prev_actions_t, prev_rewards_t, *, available, sample: bool, generator
     ) -> torch.Tensor:
-        """Actions ``[B]`` for one new step: a draw from the softmax over ``available [B, A]`` actions
-        (``sample``, with ``generator``) or the argmax."""
+        """Actions ``[B]`` for one new step: a draw from the softmax over ``available [B, A]`` actions at
+        temperature ``config.select_tau`` (``sample``, with ``generator``) or the argmax."""
         check_generator(generator)
         num_actions, offered = self.config.num_actions, available.shape[1]
         if offered > num_actions:
@@ -324,6 +330,8 @@ class ADModel(nn.Module):
         logits = self.step(state, states_t, prev_actions_t, prev_rewards_t).float()
         logits = logits.masked_fill(~available, -torch.inf)
         if sample:
+            if self.config.select_tau is not None:  # None leaves the logits as trained, bit for bit
+                logits = logits / self.config.select_tau
             return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
         return logits.argmax(dim=-1)
 
