@@ -182,14 +182,22 @@ def test_train_and_reload_headless_on_composite_darkroom(tmp_path):
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["source_name"] == "q_learning"
 
 
-def test_headless_experiment_end_to_end(tmp_path, capsys):
-    """The experiment command runs (tiny sizes), writes its outputs, and reports AD as n/a on wider sets."""
+def test_headless_experiment_end_to_end(tmp_path, capsys, monkeypatch):
+    """The held-out protocol (tiny sizes): every model trains once per training seed, its temperature is the grid
+    point with the best mean score on the selection seeds, the table reports it on the report seeds (mean ± sd
+    over training seeds), AD is n/a on wider sets, and a rerun evaluates nothing."""
     out = tmp_path / "exp"
-    argv = ["--experiment", "bernoulli", "--steps", "2", "--eval-tasks", "3", "--out-dir", str(out), "--no-progress"]
+    argv = ["--experiment", "bernoulli", "--steps", "2", "--eval-tasks", "10", "--out-dir", str(out), "--no-progress",
+            "--training-seeds", "0", "1", "--select-temperatures", "1", "0.25", "--selection-seeds", "5",
+            "--report-seeds", "6", "7"]  # fmt: skip
     import icrl_models.experiments.headless_ad as experiments
 
     original = experiments._BANDIT_BASE.copy()
     experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
+    sets = {"uniform, 4-20 arms", "uniform, 20 arms", "uniform, 25 arms"}  # seen, seen at the edge, unseen
+    monkeypatch.setitem(
+        experiments.EVAL_SETS, "bernoulli", [s for s in experiments.EVAL_SETS["bernoulli"] if s[0] in sets]
+    )
     try:
         assert headless_main(argv) == 0
     finally:
@@ -197,18 +205,52 @@ def test_headless_experiment_end_to_end(tmp_path, capsys):
         experiments._BANDIT_BASE.update(original)
     results = json.loads((out / "headless.json").read_text())
     assert set(results["models"]) == {"headless_ad", "ad"}
-    ad_scores = results["models"]["ad"]["scores"]
-    assert ad_scores["uniform, 50 arms"] is None and ad_scores["uniform, 4-20 arms"] is not None
-    assert all(v is not None for v in results["models"]["headless_ad"]["scores"].values())
-    assert (out / "headless.png").stat().st_size > 0 and "n/a" in (out / "headless.md").read_text()
-    for name in ("headless_ad", "ad"):  # both models' reward use, also for AD's head
-        use = results["models"][name]["reward_use"]
+    assert (results["training_seeds"], results["selection_seeds"], results["report_seeds"]) == ([0, 1], [5], [6, 7])
+    assert results["cpu_seconds"] > 0
+    for name, entry in results["models"].items():
+        selection = entry["selection"]
+        assert set(selection) == {"1.0", "0.25"} and entry["temperature"] == max(
+            (1.0, 0.25), key=lambda f: selection[str(f)]
+        )
+        assert set(entry["runs"]) == {"0", "1"}
+        scores = entry["scores"]["uniform, 4-20 arms"]
+        per_seed = [run["scores"]["uniform, 4-20 arms"] for run in entry["runs"].values()]
+        assert [len(run["values"]) for run in per_seed] == [2, 2]  # one value per report seed
+        assert scores["n"] == 2 and scores["mean"] == pytest.approx(np.mean([run["mean"] for run in per_seed]))
+        use = entry["runs"]["0"]["reward_use"]  # both models' reward use, also for AD's head
         assert use["gap"] == pytest.approx(use["shuffled_loss"] - use["loss"])
-        assert f"{use['gap']:+.3f} nats" in (out / "headless.md").read_text()
+        # The selection score is the mean over training seeds, selection seeds and sets of the stored evaluations.
+        stored = [json.loads((out / f"seed{seed}" / name / "evaluations.json").read_text()) for seed in (0, 1)]
+        at_chosen = [
+            v["normalized_score"] for evaluations in stored for key, v in evaluations.items()
+            if v is not None and json.loads(key)["seed"] == 5
+            and json.loads(key)["select_tau"] == pytest.approx(entry["select_tau"])
+        ]  # fmt: skip
+        assert np.mean(at_chosen) == pytest.approx(selection[str(entry["temperature"])])
+    ad_scores = results["models"]["ad"]["scores"]
+    assert ad_scores["uniform, 25 arms"] is None and ad_scores["uniform, 4-20 arms"] is not None
+    assert all(v is not None for v in results["models"]["headless_ad"]["scores"].values())
+    table = (out / "headless.md").read_text()
+    assert (out / "headless.png").stat().st_size > 0 and "n/a" in table
+    assert "| uniform, 20 arms | seen |" in table and "| uniform, 25 arms | unseen |" in table
     assert "normalised score" in capsys.readouterr().out
-    lines = (out / "headless.md").read_text().splitlines()
+    lines = table.splitlines()
     assert lines[0] == "Command: `icrl-headless " + " ".join(argv) + "`" and lines[2].startswith("Machine: ")
     assert results["command"] == "icrl-headless " + " ".join(argv)
+    # A rerun trains and evaluates nothing: every evaluation is kept beside its run.
+    original_evaluate = experiments.RunEvaluations._evaluate
+    experiments.RunEvaluations._evaluate = None  # calling it would raise
+    experiments._BANDIT_BASE.update(num_histories=16, seq_len=30, episode_length=30)
+    try:
+        assert headless_main(argv) == 0
+    finally:
+        experiments.RunEvaluations._evaluate = original_evaluate
+        experiments._BANDIT_BASE.clear()
+        experiments._BANDIT_BASE.update(original)
+    rerun = json.loads((out / "headless.json").read_text())
+    assert {name: entry["scores"] for name, entry in rerun["models"].items()} == {
+        name: entry["scores"] for name, entry in results["models"].items()
+    }
 
 
 def test_experiment_config_errors():
@@ -223,6 +265,11 @@ def test_experiment_config_errors():
     with pytest.raises(ValueError, match="select_temperatures"):
         HeadlessExperimentConfig(ablations=("preset",), select_temperatures=(0.0,))
     assert HeadlessExperimentConfig(ablations=("all",)).ablations == tuple(ABLATIONS)
+    with pytest.raises(ValueError, match="disjoint"):  # a reported score must not have chosen its temperature
+        HeadlessExperimentConfig(selection_seeds=(1, 2), report_seeds=(2, 3))
+    for name in ("training_seeds", "selection_seeds", "report_seeds"):
+        with pytest.raises(ValueError, match=name):
+            HeadlessExperimentConfig(**{name: ()})
     assert callable(run_experiment)
 
 
@@ -283,6 +330,40 @@ def test_cold_sampling_picks_the_most_similar_action():
     torch.testing.assert_close(picks(sample=True), argmax)
     model.config.select_tau = None  # back to the training tau (1): sampling spreads over the actions
     assert (picks(sample=True) != argmax).float().mean() > 0.1
+
+
+def test_ad_select_tau_changes_only_sampling():
+    """AD's ``select_tau`` divides its logits before the draw: near 0 it equals argmax; ``None`` samples from the
+    softmax it was trained with, the same draws as ``select_tau=1``; argmax ignores it."""
+    torch.manual_seed(0)
+    model = ADModel(ADConfig(num_states=9, num_actions=6, seq_len=7, d_model=24, num_heads=3, num_layers=2)).eval()
+    with torch.no_grad():  # logit gaps of order 1, not an untrained model's tiny ones
+        model.action_head.weight.mul_(30.0)
+    generator = torch.Generator().manual_seed(2)
+    states = torch.randint(0, 9, (64, 5), generator=generator)
+    prev_actions = torch.randint(0, 6, (64, 5), generator=generator)
+    prev_rewards = torch.randint(0, 2, (64, 5), generator=generator).float()
+    available = torch.ones(64, 6, dtype=torch.bool)
+
+    def picks(select_tau, sample: bool = True) -> torch.Tensor:
+        model.config.select_tau = select_tau
+        state = model.init_decode_state(64, 5)
+        draws = torch.Generator().manual_seed(5)
+        return torch.stack([
+            model.act(state, states[:, t], prev_actions[:, t], prev_rewards[:, t], available=available,
+                      sample=sample, generator=draws)
+            for t in range(5)
+        ])  # fmt: skip
+
+    argmax = picks(None, sample=False)
+    torch.testing.assert_close(picks(1e-4), argmax)
+    torch.testing.assert_close(picks(None), picks(1.0))
+    assert (picks(None) != argmax).float().mean() > 0.1
+    torch.testing.assert_close(picks(0.5, sample=False), argmax)
+    with pytest.raises(ValueError, match="select_tau"):
+        ADConfig(select_tau=0.0)
+    with pytest.raises(ValueError, match="select_tau"):
+        TrainConfig(model="ad", select_tau=float("nan"))
 
 
 def test_ablations_command_end_to_end(tmp_path, capsys):

@@ -13,6 +13,8 @@ An experiment module (one per paper) uses these pieces and keeps only its paper'
 * **Run folders and datasets**: :func:`run_folder` makes the output folder; :func:`cached_dataset`
   generates the training histories once into ``train.icrl`` and reuses the file on later runs, so that
   several models (and a rerun) train on the same data.
+* **CPU time estimates**: :class:`StepCost` (a per-step cost calibrated on a recorded run) and
+  :func:`print_cpu_estimate`, the line each command prints before a run starts.
 * **Result files**: :func:`write_results` writes ``<stem>.json`` and ``<stem>.md``; both record the
   command line that produced them and :func:`machine_description` of the machine it ran on, so a table
   pasted into a report can be traced and rerun.
@@ -28,6 +30,7 @@ import platform
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,6 +158,72 @@ def cached_dataset(path: str | os.PathLike, config: TrainConfig, *, progress: bo
         generate = config.generate_config("train", config.num_histories, config.source_episodes)
         save_histories(generate_histories(generate, progress=progress), path)
     return path
+
+
+# --- CPU time estimates ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A per-step CPU cost model calibrated on one recorded run: ``seconds`` of process CPU time (user + sys)
+    per step of a run whose step did ``work`` units of work (the command's own measure, e.g. windows x tokens x
+    layers x width^2 for a transformer step); ``source`` names the run. A step of ``w`` units is taken to cost
+    ``seconds * w / work``: linear in the work, no fixed overhead, so small models are under-estimated."""
+
+    seconds: float
+    work: float
+    source: str
+
+    def estimate(self, steps: float, work: float | None = None) -> float:
+        """CPU seconds of ``steps`` steps of ``work`` units each (default: the calibration run's)."""
+        return steps * self.seconds * (self.work if work is None else work) / self.work
+
+
+def transformer_work(batch: int, tokens: int, layers: int, width: int) -> float:
+    """The work of one transformer training step in :class:`StepCost` units: sequences x tokens x blocks x
+    width^2, the terms the matmul FLOPs grow with (attention's tokens^2 term ignored: short contexts here)."""
+    return float(batch) * tokens * layers * width * width
+
+
+#: icrl-train's training step per model kind, in :func:`transformer_work` units (``seq_len`` tokens, attention
+#: and n-gram blocks), and one step of an in-context rollout per environment (env-steps x blocks x width^2):
+#: the Dark Room main job (N-Gram AD, its final evaluation) and the Bernoulli runs of ``headless-bernoulli.json``
+#: (AD, Headless-AD), 1 torch thread each.
+TRAIN_STEP_COSTS: dict[str, StepCost] = {
+    "ngram_ad": StepCost(0.10, transformer_work(32, 100, 4, 64), "main-job.json"),
+    "ad": StepCost(0.10, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
+    "headless_ad": StepCost(0.25, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
+}
+ROLLOUT_STEP_COST = StepCost(4.5e-4, 4 * 64 * 64, "main-job.json")
+
+
+def train_run_cpu_seconds(config: TrainConfig, evaluations: int = 1) -> float:
+    """Estimated CPU seconds of the ``icrl-train`` run ``config`` from scratch: its training steps and
+    ``evaluations`` in-context evaluations of its evaluation set (the run's own final one is one)."""
+    from ..train import make_eval_env_factory
+
+    blocks = config.num_layers + len(config.ngram_tuple())
+    tokens = config.seq_len * (3 if config.step_tokens == "separate" else 1)
+    train = TRAIN_STEP_COSTS[config.model].estimate(
+        config.steps, transformer_work(config.batch_size, tokens, blocks, config.d_model)
+    )
+    env = make_eval_env_factory(config)(0)
+    rollout_steps = env.num_envs * config.eval_episodes * env.episode_length
+    return train + evaluations * ROLLOUT_STEP_COST.estimate(rollout_steps, blocks * config.d_model**2)
+
+
+def print_cpu_estimate(what: str, seconds: float, *, device: Any = "cpu") -> None:
+    """Print, before a run starts, ``icrl: <what>: estimated CPU time ~N min ...`` on stderr. The constants
+    behind ``seconds`` (:class:`StepCost`) were measured with one torch thread on the 2-core development VM
+    (AMD EPYC); on a GPU the line says that no estimate applies."""
+    if str(device).startswith("cuda"):
+        print(
+            f"icrl: {what}: no CPU time estimate on {device} (the cost model is calibrated on a CPU)", file=sys.stderr
+        )
+        return
+    shown = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    print(f"icrl: {what}: estimated CPU time ~{shown} (an estimate: per-step costs measured with 1 torch thread "
+          "on a 2-core AMD EPYC VM, scaled by the work per step)", file=sys.stderr)  # fmt: skip
 
 
 # --- result files ----------------------------------------------------------------------------------

@@ -18,11 +18,21 @@ of the action set through a head of fixed width, so it is evaluated only on sets
 training sets (and on reordered or replaced sets of that size, where its actions change meaning),
 as in the paper; it is reported "n/a" elsewhere (the paper retrains AD for those).
 
+Protocol (held-out temperature selection): every model trains once per training seed (``--training-seeds``,
+each with its own histories). How a model samples decides its score (the ablations: sampling at the training
+temperature loses Headless-AD its score on many arms), so each model's sampling temperature is chosen from a
+grid (``--select-temperatures``, fractions of its training temperature: tau for Headless-AD, 1 for AD's
+softmax) on selection seeds (``--selection-seeds``: evaluation bandits used for nothing else), by the mean
+score over its training seeds, selection seeds and evaluation sets. The table reports each model at its chosen
+temperature on disjoint report seeds (``--report-seeds``): per training seed the mean over report seeds, then
+mean ± sd over training seeds. Arm counts inside the training range (4-20) are "seen", the others "unseen".
+
 Presets: ``cpu`` (default) fits a 2-core laptop in minutes per model; ``paper`` uses the paper's
 Tables 3-4 (our choice of steps and batch size: the tables do not give them) and wants a GPU.
-Outputs in ``--out-dir``: one run folder per model (as ``icrl-train`` writes), ``headless.json``,
-``headless.md`` (the command line, the machine and the table) and ``headless.png`` (scores per
-evaluation set).
+Outputs in ``--out-dir``: one run folder per model and training seed (``seed<N>/<model>``, as ``icrl-train``
+writes, with its evaluations kept in ``evaluations.json``), ``headless.json`` (every score, the chosen
+temperatures, the seeds, CPU times), ``headless.md`` (the command line, the machine and the table) and
+``headless.png`` (scores per evaluation set).
 """
 
 from __future__ import annotations
@@ -49,9 +59,11 @@ from .harness import (
     check_preset,
     command_string,
     machine_description,
+    print_cpu_estimate,
     pyplot,
     run_folder,
     seed_stats,
+    train_run_cpu_seconds,
     write_results,
 )
 from .sweep import SweepOptions, run_trials, sweep_options
@@ -168,7 +180,19 @@ class HeadlessExperimentConfig(SweepOptions):
     steps: int | None = dataclasses.field(default=None, metadata={"help": "override the preset's training steps"})
     eval_tasks: int = dataclasses.field(default=100, metadata={"help": "bandits per evaluation set (paper: 100)"})
     out_dir: str = dataclasses.field(default="runs/headless", metadata={"help": "output folder"})
-    seed: int = 0
+    seed: int = dataclasses.field(default=0, metadata={"help": "ablations: the training seed"})
+    training_seeds: tuple[int, ...] = dataclasses.field(
+        default=(0, 1, 2),
+        metadata={"help": "training seeds (histories, initialisation, batches): one run per model and seed"},
+    )
+    selection_seeds: tuple[int, ...] = dataclasses.field(
+        default=(1, 2),
+        metadata={"help": "evaluation seeds used only to choose each model's sampling temperature"},
+    )
+    report_seeds: tuple[int, ...] = dataclasses.field(
+        default=(3, 4, 5, 6, 7),
+        metadata={"help": "evaluation seeds of the reported scores (disjoint from --selection-seeds)"},
+    )
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
@@ -183,7 +207,10 @@ class HeadlessExperimentConfig(SweepOptions):
     )  # fmt: skip
     select_temperatures: tuple[float, ...] = dataclasses.field(
         default=(1.0, 0.5, 0.35, 0.25),
-        metadata={"help": "ablations: sampling temperatures tried at evaluation, as fractions of each model's tau"},
+        metadata={
+            "help": "sampling temperatures tried, as fractions of each model's training temperature (tau; "
+            "1 for AD): one is chosen per model on --selection-seeds; --ablations scores every one"
+        },
     )
     eval_seeds: tuple[int, ...] = dataclasses.field(
         default=(1, 2, 3), metadata={"help": "ablations: evaluation seeds (each a fresh set of --eval-tasks bandits)"}
@@ -197,6 +224,15 @@ class HeadlessExperimentConfig(SweepOptions):
         self.ablations = as_tuple(self.ablations, str, "ablations")
         self.select_temperatures = as_tuple(self.select_temperatures, float, "select_temperatures")
         self.eval_seeds = as_tuple(self.eval_seeds, int, "eval_seeds")
+        for name in ("training_seeds", "selection_seeds", "report_seeds"):
+            setattr(self, name, as_tuple(getattr(self, name), int, name))
+            if not getattr(self, name) or min(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be one or more ints >= 0, got {getattr(self, name)}")
+        if set(self.selection_seeds) & set(self.report_seeds):
+            raise ValueError(
+                f"selection_seeds and report_seeds must be disjoint (the reported scores are held out from the "
+                f"temperature choice), got {self.selection_seeds} and {self.report_seeds}"
+            )
         if "all" in self.ablations:
             self.ablations = tuple(ABLATIONS)
         unknown = [name for name in self.ablations if name not in ABLATIONS]
@@ -230,39 +266,155 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
 
 
 def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
-    """Train, evaluate on every set of :data:`EVAL_SETS`, write the JSON, table and plot; return the results.
-    ``command``: the command line recorded in ``headless.json`` and ``headless.md`` (default: this process's)."""
+    """The held-out protocol of the module docstring: train every model once per training seed, choose its
+    sampling temperature on the selection seeds, score it at that temperature on the report seeds (every set of
+    :data:`EVAL_SETS`); write ``headless.json`` / ``.md`` / ``.png``; return the results. ``command``: the command
+    line recorded in the files (default: this process's)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     out_dir = run_folder(config.out_dir)
-    results: dict = {"config": dataclasses.asdict(config), "models": {}}
-    for name, train_config in _train_configs(config, out_dir).items():
-        start = time.perf_counter()
-        train(train_config)  # resumes, or returns at once, when the run folder already holds the checkpoint
-        train_seconds = time.perf_counter() - start
-        model, histories = load_trained(train_config, resolve_device(config.device, 0))
-        scores: dict = {}
-        for set_name, overrides in EVAL_SETS[config.experiment]:
-            eval_config = dataclasses.replace(train_config, **overrides)
-            offered = make_eval_env_factory(eval_config)(config.seed).action_sets().shape[1]
-            if name == "ad" and offered > model.config.num_actions:
-                scores[set_name] = None  # AD's head is narrower than this action set: it needs retraining
-                continue
-            report = run_evaluation(model, eval_config, histories, seed=config.seed + 1)
-            scores[set_name] = report.summary
-        reward_use = (
-            None
-            if config.experiment == "darkroom"
-            else _reward_use(train_config, config, resolve_device(config.device, 0))
-        )
-        results["models"][name] = {
-            "scores": scores,
-            "reward_use": reward_use,
-            "train_seconds": round(train_seconds, 1),
-            "total_seconds": round(time.perf_counter() - start, 1),
-        }
-    machine = machine_description(resolve_device(config.device, 0))
+    device = resolve_device(config.device, 0)
+    runs = {
+        seed: _train_configs(dataclasses.replace(config, seed=seed), out_dir / f"seed{seed}")
+        for seed in config.training_seeds
+    }
+    grid = [float(fraction) for fraction in config.select_temperatures]
+    results: dict = {
+        "config": dataclasses.asdict(config),
+        "training_seeds": list(config.training_seeds),
+        "selection_seeds": list(config.selection_seeds),
+        "report_seeds": list(config.report_seeds),
+        "temperature_grid": grid,
+        "models": {},
+    }
+    for name in runs[config.training_seeds[0]]:
+        evaluations = {}
+        for seed, configs in runs.items():  # train, and score every temperature on the selection seeds
+            train_config = configs[name]
+            count = len(EVAL_SETS[config.experiment]) * (
+                len(grid) * len(config.selection_seeds) + len(config.report_seeds)
+            )
+            print_cpu_estimate(f"{name}, training seed {seed} (training and up to {count} evaluations)",
+                               train_run_cpu_seconds(train_config, evaluations=count + 1), device=device)  # fmt: skip
+            train_start = time.process_time()
+            train(train_config)  # resumes, or returns at once, when the run folder already holds the checkpoint
+            train_cpu = time.process_time() - train_start
+            evaluations[seed] = RunEvaluations(config.experiment, train_config, device, train_cpu_seconds=train_cpu)
+            for fraction in grid:
+                evaluations[seed].scores(fraction, config.selection_seeds)
+        selection = {
+            fraction: float(np.mean([
+                _metric(summary, config.experiment)
+                for run in evaluations.values()
+                for summaries in run.scores(fraction, config.selection_seeds).values() if summaries is not None
+                for summary in summaries
+            ]))
+            for fraction in grid
+        }  # fmt: skip
+        chosen = max(grid, key=lambda fraction: selection[fraction])  # ties: the first in the grid
+        results["models"][name] = _report_model(config, evaluations, chosen, selection)
+    results["cpu_seconds"] = round(time.process_time() - cpu_start, 1)
+    results["wall_seconds"] = round(time.perf_counter() - start, 1)
+    machine = machine_description(device)
     write_results(out_dir, "headless", results, results_table(results), command=command, machine=machine)
     plot_scores(results, out_dir / "headless.png")
     return results
+
+
+def _training_temperature(train_config: TrainConfig) -> float:
+    """The temperature a model's action probabilities were trained at: tau (Headless-AD's InfoNCE), 1 (AD)."""
+    return train_config.tau if train_config.model == "headless_ad" else 1.0
+
+
+class RunEvaluations:
+    """The evaluations of one trained run at a sampling temperature (a fraction of its training temperature), on
+    every set of :data:`EVAL_SETS` and evaluation seed. Each summary is kept in ``<run>/evaluations.json`` under
+    what was evaluated, so a rerun (or a killed experiment run again) evaluates nothing twice; ``cpu_seconds``
+    counts the evaluations this process ran."""
+
+    def __init__(self, experiment: str, train_config: TrainConfig, device, *, train_cpu_seconds: float) -> None:
+        self.experiment, self.train_config, self.device = experiment, train_config, device
+        self.path = Path(train_config.out_dir) / "evaluations.json"
+        self.stored: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.train_cpu_seconds, self.cpu_seconds = train_cpu_seconds, 0.0
+        self._loaded: tuple | None = None  # (select_tau, model, histories)
+
+    def scores(self, fraction: float, seeds) -> dict[str, list[dict] | None]:
+        """``{set name: [summary per seed] or None}`` at ``fraction`` x the training temperature (None: AD's
+        head is narrower than the set's actions, so it cannot act there without retraining)."""
+        select_tau = fraction * _training_temperature(self.train_config)
+        return {
+            set_name: self._set_scores(
+                dataclasses.replace(self.train_config, select_tau=select_tau, **overrides), seeds
+            )
+            for set_name, overrides in EVAL_SETS[self.experiment]
+        }
+
+    def _set_scores(self, scored: TrainConfig, seeds) -> list[dict] | None:
+        fields = ("select_tau", "eval_distribution", "eval_num_arms", "eval_action_set", "eval_tasks", "eval_episodes",
+                  "eval_envs_per_task", "sample_actions")  # fmt: skip
+        setting = {name: getattr(scored, name) for name in fields}
+        summaries = []
+        for seed in seeds:
+            key = json.dumps({**setting, "seed": seed}, sort_keys=True)
+            if key not in self.stored:
+                start = time.process_time()
+                self.stored[key] = self._evaluate(scored, seed)
+                self.cpu_seconds += time.process_time() - start
+                partial = self.path.with_name(self.path.name + ".partial")
+                partial.write_text(json.dumps(self.stored, indent=1))
+                partial.replace(self.path)  # atomically: a killed run keeps every finished evaluation
+            summaries.append(self.stored[key])
+        return None if any(summary is None for summary in summaries) else summaries
+
+    def _evaluate(self, scored: TrainConfig, seed: int) -> dict | None:
+        if self._loaded is None or self._loaded[0] != scored.select_tau:
+            self._loaded = (scored.select_tau, *load_trained(scored, self.device))
+        _, model, histories = self._loaded
+        offered = make_eval_env_factory(scored)(seed).action_sets().shape[1]
+        if scored.model == "ad" and offered > model.config.num_actions:
+            return None
+        return run_evaluation(model, scored, histories, seed=seed).summary
+
+
+def _report_model(
+    config: HeadlessExperimentConfig, evaluations: dict[int, RunEvaluations], chosen: float, selection: dict
+) -> dict:
+    """One model's entry of ``headless.json``: the chosen temperature, the selection scores, and at the chosen
+    temperature on the report seeds, per evaluation set ``seed_stats`` over training seeds of each seed's mean
+    over report seeds (``None`` where the model cannot act), with every training seed's own values."""
+    runs: dict = {}
+    for seed, run in evaluations.items():
+        scores = run.scores(chosen, config.report_seeds)
+        runs[str(seed)] = {
+            "scores": {
+                set_name: None if summaries is None else {
+                    "values": [_metric(summary, config.experiment) for summary in summaries],
+                    "mean": float(np.mean([_metric(summary, config.experiment) for summary in summaries])),
+                    "summaries": summaries,
+                }
+                for set_name, summaries in scores.items()
+            },
+            "reward_use": None if config.experiment == "darkroom"
+            else _reward_use(run.train_config, config, run.device),
+            "train_cpu_seconds": round(run.train_cpu_seconds, 1),
+            "eval_cpu_seconds": round(run.cpu_seconds, 1),
+        }  # fmt: skip
+    set_names = [set_name for set_name, _ in EVAL_SETS[config.experiment]]
+    first = runs[str(config.training_seeds[0])]
+    entry: dict = {
+        "temperature": chosen,
+        "select_tau": chosen * _training_temperature(next(iter(evaluations.values())).train_config),
+        "selection": {str(fraction): score for fraction, score in selection.items()},
+        "scores": {
+            set_name: None if first["scores"][set_name] is None
+            else seed_stats([run["scores"][set_name]["mean"] for run in runs.values()])
+            for set_name in set_names
+        },
+        "reward_use": None if first["reward_use"] is None
+        else seed_stats([run["reward_use"]["gap"] for run in runs.values()]),
+        "runs": runs,
+    }  # fmt: skip
+    return entry
 
 
 def run_ablations(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
@@ -379,29 +531,64 @@ def _metric(summary: dict, experiment: str) -> float:
     return summary["final_return"] if experiment == "darkroom" else summary["normalized_score"]
 
 
+def _arms_seen(experiment: str, overrides: dict) -> str:
+    """ "seen" for a bandit evaluation set whose arm counts all lie in the training range (4-20 arms), else
+    "unseen"; "" for Darkroom (its sets differ in which actions, not how many)."""
+    if experiment == "darkroom":
+        return ""
+    low, _, high = overrides["eval_num_arms"].partition("-")
+    return "seen" if 4 <= int(low) and int(high or low) <= 20 else "unseen"
+
+
 def results_table(results: dict) -> str:
-    """Markdown table: one row per evaluation set, one column per model."""
-    experiment = results["config"]["experiment"]
+    """Markdown: one row per evaluation set, one column per model at its chosen temperature (mean ± sd over
+    training seeds of each seed's mean over the report seeds), then reward use, the selection and CPU times."""
+    config = results["config"]
+    experiment = config["experiment"]
     metric = "success rate (last episodes)" if experiment == "darkroom" else "normalised score (0 random, 1 source)"
     names = list(results["models"])
-    lines = [f"| evaluation set | {' | '.join(names)} |", "|---|" + "---|" * len(names)]
-    for set_name, _ in EVAL_SETS[experiment]:
+    models = results["models"]
+
+    def temperature(name: str) -> str:
+        return f"{models[name]['temperature']:g} x {'tau' if name == 'headless_ad' else '1'}"
+
+    lines = [
+        f"{metric}: mean ± sd over training seeds {_listed(results['training_seeds'])} of each seed's mean over "
+        f"report seeds {_listed(results['report_seeds'])} ({config['eval_tasks']} tasks each); each model samples at "
+        f"the temperature it scored best at on selection seeds {_listed(results['selection_seeds'])} (mean over "
+        f"training seeds, selection seeds and evaluation sets), from {_listed(results['temperature_grid'])} x its "
+        "training temperature (tau for Headless-AD, 1 for AD's softmax). Arms seen: inside the training range.",
+        "",
+        f"| evaluation set | arms | {' | '.join(f'{name} ({temperature(name)})' for name in names)} |",
+        "|---|---|" + "---|" * len(names),
+    ]
+    for set_name, overrides in EVAL_SETS[experiment]:
         cells = []
         for name in names:
-            summary = results["models"][name]["scores"].get(set_name)
-            cells.append("n/a" if summary is None else f"{_metric(summary, experiment):.2f}")
-        lines.append(f"| {set_name} | {' | '.join(cells)} |")
+            stats = models[name]["scores"][set_name]
+            cells.append("n/a" if stats is None else f"{stats['mean']:.2f} ± {stats['std']:.2f}")
+        lines.append(f"| {set_name} | {_arms_seen(experiment, overrides)} | {' | '.join(cells)} |")
     if experiment != "darkroom":  # how much the teacher-forced loss rises when the rewards are shuffled
-        uses = [results["models"][n].get("reward_use") for n in names]
-        cells = ["n/a" if use is None else f"{use['gap']:+.3f} nats" for use in uses]
-        lines.append(f"| reward use (shuffled - true loss) | {' | '.join(cells)} |")
-    times = " | ".join(f"{results['models'][n]['total_seconds']:.0f} s" for n in names)
-    lines.append(f"| wall time (train + eval) | {times} |")
+        cells = [f"{models[n]['reward_use']['mean']:+.3f} ± {models[n]['reward_use']['std']:.3f} nats" for n in names]
+        lines.append(f"| reward use (shuffled - true loss) | | {' | '.join(cells)} |")
+    for fraction in results["temperature_grid"]:
+        cells = [f"{models[name]['selection'][str(fraction)]:.3f}" for name in names]
+        lines.append(f"| selection score at {fraction:g} x (selection seeds) | | {' | '.join(cells)} |")
+    cells = []
+    for name in names:
+        runs = models[name]["runs"].values()
+        cells.append(" / ".join(f"{run['train_cpu_seconds']:.0f} + {run['eval_cpu_seconds']:.0f}" for run in runs))
+    lines.append(f"| CPU s per training seed (training + evaluations run here) | | {' | '.join(cells)} |")
     return f"{metric}\n\n" + "\n".join(lines)
 
 
+def _listed(values) -> str:
+    return ", ".join(f"{value:g}" if isinstance(value, float) else str(value) for value in values)
+
+
 def plot_scores(results: dict, path: Path) -> None:
-    """Grouped bars: the metric of every model on every evaluation set (n/a left empty)."""
+    """Grouped bars with error bars: every model's metric (mean ± sd over training seeds) on every evaluation
+    set at its chosen temperature (n/a left empty)."""
     plt = pyplot()
     experiment = results["config"]["experiment"]
     set_names = [name for name, _ in EVAL_SETS[experiment]]
@@ -410,12 +597,15 @@ def plot_scores(results: dict, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(max(6, 1.1 * len(set_names)), 4), dpi=120)
     for index, name in enumerate(names):
         scores = results["models"][name]["scores"]
-        values = [np.nan if scores.get(s) is None else _metric(scores[s], experiment) for s in set_names]
-        axis.bar(np.arange(len(set_names)) + index * width, values, width, label=name)
+        means = [np.nan if scores[s] is None else scores[s]["mean"] for s in set_names]
+        spreads = [np.nan if scores[s] is None else scores[s]["std"] for s in set_names]
+        label = f"{name} ({results['models'][name]['temperature']:g} x)"
+        axis.bar(np.arange(len(set_names)) + index * width, means, width, yerr=spreads, capsize=2, label=label)
     axis.axhline(1.0, linestyle="--", color="black", linewidth=1)
     axis.set_xticks(np.arange(len(set_names)) + width * (len(names) - 1) / 2, set_names, rotation=30, ha="right")
     axis.set_ylabel("success rate" if experiment == "darkroom" else "normalised score")
-    axis.set_title(f"Headless-AD vs AD, {experiment} ({results['config']['preset']} preset)")
+    seeds = len(results["training_seeds"])
+    axis.set_title(f"Headless-AD vs AD, {experiment} ({results['config']['preset']} preset, {seeds} training seeds)")
     axis.set_ylim(min(0.0, axis.get_ylim()[0]), 1.25)  # headroom above the source's 1.0 for the legend
     axis.legend(loc="upper right")
     figure.tight_layout()
