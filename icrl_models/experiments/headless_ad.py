@@ -51,7 +51,7 @@ import torch
 from .._checks import check_float
 from .._cli import command_line
 from ..analysis import reward_dependence
-from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 from ..data import HistoryWindows, generate_histories, local_action_batch
 from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 from .harness import (
@@ -270,6 +270,11 @@ def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = No
     sampling temperature on the selection seeds, score it at that temperature on the report seeds (every set of
     :data:`EVAL_SETS`); write ``headless.json`` / ``.md`` / ``.png``; return the results. ``command``: the command
     line recorded in the files (default: this process's)."""
+    with torch_threads(config.threads):  # the evaluations too, not only the trainings (icrl-train sets its own)
+        return _run_experiment(config, command)
+
+
+def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     out_dir = run_folder(config.out_dir)
     device = resolve_device(config.device, 0)
