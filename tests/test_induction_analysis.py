@@ -335,6 +335,32 @@ def test_rerun_reuses_each_variants_result(tmp_path, monkeypatch):
         run_experiment(_tiny_experiment(tmp_path, steps=6))
 
 
+def test_seeds_run_each_seed_and_summarise(tmp_path, monkeypatch):
+    """``seeds``: one single-seed experiment per seed in ``seed<N>/`` (an earlier ``--seed N`` run there is
+    reused), then ``induction.json`` / ``.md`` over all seeds with every seed's report and mean ± sd."""
+    import icrl_models.experiments.induction_heads as induction
+
+    out = tmp_path / "induction"
+    single = run_experiment(_tiny_experiment(tmp_path, seed=1, out_dir=str(out / "seed1")))
+    calls = []
+    original = induction.train_variant
+    monkeypatch.setattr(induction, "train_variant", lambda name, *a, **k: calls.append(name) or original(name, *a, **k))
+    report = run_experiment(_tiny_experiment(tmp_path, seeds=(0, 1)))
+    assert calls == ["1L", "2L-smear"]  # seed 0 only: seed 1's folder holds its results
+    written = json.loads((out / "induction.json").read_text())
+    assert written["seeds"] == [0, 1] and set(written["per_seed"]) == {"0", "1"}
+    assert written["per_seed"]["1"]["summary"] == json.loads(json.dumps(single["summary"]))
+    scores = [written["per_seed"][s]["summary"]["2L-smear"]["final_best_induction"]["score"] for s in ("0", "1")]
+    stats = report["summary"]["2L-smear"]["final_best_induction"]
+    assert stats["values"] == scores and stats["n"] == 2 and stats["mean"] == pytest.approx(sum(scores) / 2)
+    assert written["per_seed"]["0"]["config"]["seed"] == 0 and written["cpu_seconds"] > 0
+    table = (out / "induction.md").read_text()
+    assert f"| 2L-smear | {stats['mean']:.2f} ± {stats['std']:.2f} (n=2) |" in table
+    assert (out / "induction.png").stat().st_size > 0 and (out / "seed0" / "induction.json").exists()
+    with pytest.raises(ValueError, match="seeds"):
+        _tiny_experiment(tmp_path, seeds=(-1,))
+
+
 def test_experiment_cli_and_config_errors(tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["--variants", "1L-smear", "--steps", "2", "--eval-every", "1", "--vocab-size", "12",
@@ -342,10 +368,15 @@ def test_experiment_cli_and_config_errors(tmp_path, capsys):
                  "--d-model", "8", "--num-heads", "2", "--eval-batch", "2", "--batch-size", "2",
                  "--backend", "eager", "--out-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     assert "1L-smear" in capsys.readouterr().out and (out / "induction.json").exists()
-    # The command as the user typed it (the default subcommand is not added); no induction.md is written.
+    assert main(["--variants", "1L", "--steps", "2", "--eval-every", "1", "--vocab-size", "12", "--context-len", "12",
+                 "--min-period", "3", "--max-period", "5", "--eval-seq-len", "5", "--d-model", "8", "--num-heads", "2",
+                 "--eval-batch", "2", "--batch-size", "2", "--backend", "eager", "--out-dir", str(tmp_path / "seeds"),
+                 "--no-progress", "--seeds", "0", "1"]) == 0  # fmt: skip
+    assert "| 1L |" in capsys.readouterr().out
+    # The command as the user typed it (the default subcommand is not added), also atop induction.md.
     written = json.loads((out / "induction.json").read_text())
     assert written["command"].startswith("icrl-induction --variants 1L-smear --steps 2 ") and written["machine"]
-    assert not list(out.glob("*.md"))
+    assert (out / "induction.md").read_text().startswith(f"Command: `{written['command']}`")
     assert main(["--variants", "3X", "--out-dir", str(out)]) == 2
     assert "icrl-induction: error: variants: each variant must look like 1L" in capsys.readouterr().err
     assert main(["--variants", "1L", "2X", "--out-dir", str(out)]) == 2

@@ -8,7 +8,8 @@ An experiment module (one per paper) uses these pieces and keeps only its paper'
   :func:`check_preset` is the one error for an unknown name, :func:`preset_help` the ``--help`` text of a
   preset-filled field.
 * **Seeds**: :func:`seed_stats` summarises one number over seeds (mean, sample standard deviation, range),
-  :func:`format_stats` prints it as ``0.500 ± 0.040 (n=3)``.
+  :func:`format_stats` prints it as ``0.500 ± 0.040 (n=3)``; :func:`per_seed_configs` splits a ``--seeds``
+  run into single-seed experiments, one folder each.
 * **Schedule**: :func:`warmup_then_constant`, the learning rate of the experiments' own training loops.
 * **Run folders and datasets**: :func:`run_folder` makes the output folder; :func:`cached_dataset`
   generates the training histories once into ``train.icrl`` and reuses the file on later runs, so that
@@ -24,13 +25,13 @@ An experiment module (one per paper) uses these pieces and keeps only its paper'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,17 @@ def format_stats(stats: Mapping[str, Any], digits: int = 3) -> str:
     return f"{stats['mean']:.{digits}f} ± {stats['std']:.{digits}f} (n={n})"
 
 
+def per_seed_configs(config: Any) -> dict[int, Any]:
+    """``{seed: config for that seed}`` for a config with ``seed``, ``seeds`` and ``out_dir`` fields: one per
+    entry of ``seeds``, with ``seed`` set, ``seeds`` emptied and ``out_dir`` its ``seed<N>`` subfolder, so that
+    each seed runs as its own single-seed experiment (a folder a rerun, or an earlier ``--seed N`` run there,
+    resumes)."""
+    return {
+        seed: dataclasses.replace(config, seed=seed, seeds=(), out_dir=str(Path(config.out_dir) / f"seed{seed}"))
+        for seed in config.seeds
+    }
+
+
 # --- training schedule -----------------------------------------------------------------------------
 
 
@@ -163,7 +175,7 @@ def cached_dataset(path: str | os.PathLike, config: TrainConfig, *, progress: bo
 # --- CPU time estimates ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StepCost:
     """A per-step CPU cost model calibrated on one recorded run: ``seconds`` of process CPU time (user + sys)
     per step of a run whose step did ``work`` units of work (the command's own measure, e.g. windows x tokens x

@@ -18,8 +18,10 @@ Every ``eval_every`` steps each model is scored on a fixed batch of TransformerL
 per-head previous-token, duplicate-token and induction scores, OV copying scores, the loss on the
 predictable second repeat and the in-context learning score. At the end: head importance by zero
 ablation. Outputs in ``out_dir``: ``induction.json`` (command line, machine, config, curves, final
-scores, wall times) and
-``induction.png`` (best induction score and second-repeat loss against training steps).
+scores, wall and CPU times), ``induction.md`` (the summary table) and ``induction.png`` (best induction
+score and second-repeat loss against training steps). ``--seeds 0 1 2`` runs the experiment once per seed
+(each in ``out_dir/seed<N>``, as ``--seed N`` would) and writes the same three files over all seeds: every
+seed's report, and mean ± sd over seeds of the final scores.
 
 ``icrl-induction ad-report --run-dir DIR`` scores the attention blocks of a trained AD / N-Gram AD run
 (``icrl-train``) on its own data, where a "repeated sequence" is a window of whole episodes of a
@@ -65,10 +67,16 @@ from ..analysis.induction import (
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 from .harness import (
     RunningLoss,
+    StepCost,
     command_string,
+    format_stats,
     machine_description,
+    per_seed_configs,
+    print_cpu_estimate,
     pyplot,
     run_folder,
+    seed_stats,
+    transformer_work,
     warmup_then_constant,
     write_results,
 )
@@ -111,12 +119,20 @@ class InductionConfig(SweepOptions):
         metadata={"help": "torch CPU threads (0: half the available cores, 1 to 4)", "aliases": ("--threads",)},
     )
     seed: int = 0
+    seeds: tuple[int, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "several seeds: the experiment once per seed (as --seed, in OUT_DIR/seed<N>), then the "
+                  "files over all seeds", "metavar": "SEED"},
+    )  # fmt: skip
     out_dir: str = "runs/induction"
     progress: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.variants = as_tuple(self.variants, str, "variants")
+        self.seeds = as_tuple(self.seeds, int, "seeds")
+        if any(seed < 0 for seed in self.seeds):
+            raise ValueError(f"seeds must be ints >= 0, got {self.seeds}")
         check_training_fields(self)
         check_float(self.smear_init, "smear_init")
         check_float(self.threshold, "threshold")
@@ -332,21 +348,27 @@ def _record(curves: dict[str, list], step: int, train_loss: float, evaluation: d
     curves["best_induction"].append(evaluation["best_induction"]["score"])
 
 
-def plot_phase_change(results: dict[str, dict], path: Path, *, threshold: float, log_vocab: float) -> None:
+def plot_phase_change(runs: dict[str, dict[str, dict]], path: Path, *, threshold: float, log_vocab: float) -> None:
     """Two panels against training steps: best induction score per model, and its second-repeat loss.
+    ``runs``: ``{seed label: {variant: result}}`` (one entry labelled ``""`` for one seed); a variant keeps
+    its colour over seeds, a seed its line style.
 
     (:func:`icrl_models.plots.plot_curves` plots against ``1..points`` on one axis; the phase change
     needs the step axis and both quantities on it.)
     """
     plt = pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=120, sharex=True)
-    for name, result in results.items():
-        curves = result["curves"]
-        (line,) = top.plot(curves["step"], curves["best_induction"], label=name)
-        bottom.plot(curves["step"], curves["repeat_loss"], label=name, color=line.get_color())
-        if result["induction_step"] is not None:
-            for axis in (top, bottom):
-                axis.axvline(result["induction_step"], color=line.get_color(), linestyle=":", linewidth=1)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (seed_label, results) in enumerate(runs.items()):
+        for variant, (name, result) in enumerate(results.items()):
+            curves, colour = result["curves"], colours[variant % len(colours)]
+            label = f"{name} ({seed_label})" if seed_label else name
+            style = ("-", "--", "-.", ":")[index % 4]
+            top.plot(curves["step"], curves["best_induction"], label=label, color=colour, linestyle=style)
+            bottom.plot(curves["step"], curves["repeat_loss"], label=label, color=colour, linestyle=style)
+            if result["induction_step"] is not None and len(runs) == 1:
+                for axis in (top, bottom):
+                    axis.axvline(result["induction_step"], color=colour, linestyle=":", linewidth=1)
     top.axhline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold {threshold}")
     bottom.axhline(log_vocab, color="gray", linestyle="--", linewidth=1, label="ln(vocab): no context used")
     top.set_ylabel("best head's induction score")
@@ -362,10 +384,73 @@ def plot_phase_change(results: dict[str, dict], path: Path, *, threshold: float,
 
 
 def run_experiment(config: InductionConfig, *, command: str | None = None) -> dict:
-    """Train every variant, write ``induction.json`` and ``induction.png`` into ``out_dir``; return the results.
-    ``command``: the command line recorded in ``induction.json`` (default: this process's)."""
+    """Train every variant, write ``induction.json``, ``induction.md`` and ``induction.png`` into ``out_dir``;
+    return the results. With ``config.seeds``: once per seed in ``out_dir/seed<N>``, then the files over all
+    seeds (:func:`seeds_report`). ``command``: the command line recorded in the files (default: this process's)."""
     with torch_threads(config.num_threads):
-        return _run_experiment(config, command)
+        if not config.seeds:
+            return _run_experiment(config, command)
+        reports = {
+            seed: _run_experiment(seed_config, command) for seed, seed_config in per_seed_configs(config).items()
+        }
+        report = seeds_report(config, reports)
+        markdown = format_seeds_summary(report)
+        write_results(
+            config.out_dir, "induction", report, markdown, command=command, machine=machine_description("cpu")
+        )
+        runs = {f"seed {seed}": seed_report["results"] for seed, seed_report in reports.items()}
+        plot_phase_change(runs, Path(config.out_dir) / "induction.png", threshold=config.threshold,
+                          log_vocab=math.log(config.vocab_size))  # fmt: skip
+        return report
+
+
+#: CPU seconds of a training step with 1 torch thread on the 2-core VM, the 2-layer variant of the default
+#: experiment (cpu-induction-phase-change.json).
+STEP_COST = StepCost(0.024, transformer_work(32, 64, 2, 64), "cpu-induction-phase-change.json")
+
+
+def seeds_report(config: InductionConfig, reports: dict[int, dict]) -> dict:
+    """``induction.json`` over seeds: the config, per variant :func:`~.harness.seed_stats` of the final best
+    induction score and second-repeat loss, the step each seed's induction head formed (None: never), and
+    every seed's own report."""
+    variants = list(reports[config.seeds[0]]["summary"])
+    summary = {}
+    for name in variants:
+        per_seed = [reports[seed]["summary"][name] for seed in config.seeds]
+        summary[name] = {
+            "final_best_induction": seed_stats([s["final_best_induction"]["score"] for s in per_seed]),
+            "final_repeat_loss": seed_stats([s["final_repeat_loss"] for s in per_seed]),
+            "induction_step": [s["induction_step"] for s in per_seed],
+            "steepest_loss_drop_step": [s["steepest_loss_drop_step"] for s in per_seed],
+        }
+    return {
+        "config": dataclasses.asdict(config),
+        "seeds": list(config.seeds),
+        "summary": summary,
+        "cpu_seconds": sum(report["cpu_seconds"] for report in reports.values()),
+        "wall_seconds": sum(report["wall_seconds"] for report in reports.values()),
+        "per_seed": {str(seed): report for seed, report in reports.items()},
+    }
+
+
+def format_seeds_summary(report: dict) -> str:
+    """Markdown: per variant the final best induction score and second-repeat loss (mean ± sd over seeds) and
+    the step each seed's induction head formed."""
+    seeds = report["seeds"]
+    lines = [
+        f"Induction heads over seeds {', '.join(map(str, seeds))}: the best head's induction score and the loss on "
+        f"the repeated half at the last step (mean ± sd over seeds), and the first step the score reached "
+        f"{report['config']['threshold']} (per seed; - never).",
+        "",
+        "| model | induction score | repeat loss | formed at step (per seed) |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in report["summary"].items():
+        formed = " / ".join("-" if step is None else str(step) for step in entry["induction_step"])
+        lines.append(f"| {name} | {format_stats(entry['final_best_induction'], 2)} | "
+                     f"{format_stats(entry['final_repeat_loss'], 2)} | {formed} |")  # fmt: skip
+    lines += ["", f"CPU time of the trainings: {report['cpu_seconds']:.0f} s in all (process user + sys, every seed)."]
+    return "\n".join(lines)
 
 
 @dataclass
@@ -392,10 +477,15 @@ def train_trial(trial: InductionTrial) -> dict:
     config's settings, so a rerun (or a resumed sweep) reuses it."""
 
     def run() -> dict:
-        return train_variant(trial.name, trial.layers, trial.smear, trial.config, _eval_batch(trial.config),
-                             position=trial.position)  # fmt: skip
+        config = trial.config
+        work = transformer_work(config.batch_size, config.context_len, trial.layers, config.d_model)
+        print_cpu_estimate(f"induction {trial.name}, seed {config.seed}", STEP_COST.estimate(config.steps, work))
+        start = time.process_time()
+        result = train_variant(trial.name, trial.layers, trial.smear, config, _eval_batch(config),
+                               position=trial.position)  # fmt: skip
+        return {**result, "cpu_seconds": time.process_time() - start}
 
-    key = settings_key(trial.config, ("out_dir", "progress", "num_threads", "variants"), variant=trial.name)
+    key = settings_key(trial.config, ("out_dir", "progress", "num_threads", "variants", "seeds"), variant=trial.name)
     return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)
 
 
@@ -414,6 +504,7 @@ def _run_experiment(config: InductionConfig, command: str | None) -> dict:
             "induction_step": r["induction_step"],
             "steepest_loss_drop_step": r["steepest_loss_drop_step"],
             "wall_seconds": r["wall_seconds"],
+            "cpu_seconds": r.get("cpu_seconds"),  # absent from results kept before it was measured
         }
         for name, r in results.items()
     }
@@ -423,11 +514,14 @@ def _run_experiment(config: InductionConfig, command: str | None) -> dict:
         "summary": summary,
         "results": results,
         "wall_seconds": time.perf_counter() - start,
+        # The trainings' own CPU time (user + sys of the process that trained each, kept with its result), summed.
+        "cpu_seconds": sum(s["cpu_seconds"] for s in summary.values() if s["cpu_seconds"] is not None),
     }
-    # The models train on the CPU (tiny: no device option); no induction.md, the table goes to stdout.
-    write_results(out_dir, "induction", report, None, command=command, machine=machine_description("cpu"))
+    # The models train on the CPU (tiny: no device option).
+    machine = machine_description("cpu")
+    write_results(out_dir, "induction", report, f"```\n{format_summary(report)}\n```", command=command, machine=machine)
     log_vocab = math.log(config.vocab_size)
-    plot_phase_change(results, out_dir / "induction.png", threshold=config.threshold, log_vocab=log_vocab)
+    plot_phase_change({"": results}, out_dir / "induction.png", threshold=config.threshold, log_vocab=log_vocab)
     return report
 
 
@@ -446,7 +540,7 @@ def format_summary(report: dict) -> str:
             f"{s['final_icl_score']:>7.2f} {formed:>9} {str(s['steepest_loss_drop_step']):>13} "
             f"{s['wall_seconds']:>7.0f}"
         )
-    lines.append(f"total {report['wall_seconds']:.0f} s")
+    lines.append(f"total {report['wall_seconds']:.0f} s wall, {report['cpu_seconds']:.0f} s CPU of the trainings")
     return "\n".join(lines)
 
 
@@ -578,8 +672,9 @@ def format_ad_report(report: dict) -> str:
 
 
 def _phase_change_command(args: argparse.Namespace) -> int:
-    report = run_experiment(config_from_args(InductionConfig, args), command=args.command_line)
-    print(format_summary(report))
+    config = config_from_args(InductionConfig, args)
+    report = run_experiment(config, command=args.command_line)
+    print(format_seeds_summary(report) if config.seeds else format_summary(report))
     print(f"wrote {Path(args.out_dir) / 'induction.json'} and {Path(args.out_dir) / 'induction.png'}")
     return 0
 
