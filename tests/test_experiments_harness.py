@@ -206,3 +206,49 @@ def test_running_loss_reads_the_device_once_per_mean():
     assert not detector.reads
     assert running.mean() == pytest.approx(1.25)
     assert np.isnan(running.mean())  # each mean starts afresh
+
+
+# --- CPU time estimates and per-seed configs ------------------------------------------------------------
+
+
+def test_step_cost_scales_with_steps_and_work():
+    cost = harness.StepCost(seconds=0.5, work=100.0, source="a run")
+    assert cost.estimate(10) == pytest.approx(5.0)  # 10 steps of the calibration run's size
+    assert cost.estimate(10, work=300.0) == pytest.approx(15.0)  # 3x the work per step
+    # batch x tokens x blocks x width^2
+    assert harness.transformer_work(2, 3, 4, 5) == 2 * 3 * 4 * 25
+
+
+def test_train_run_estimate_counts_steps_and_evaluations():
+    """An icrl-train run: training steps at its model's calibrated cost, plus each evaluation's rollout steps."""
+    from icrl_models.train import TrainConfig
+
+    config = TrainConfig(model="ad", env="bernoulli_bandit", num_arms="4-20", seq_len=300, batch_size=16, steps=100,
+                         eval_episodes=1, eval_tasks=10)  # fmt: skip
+    train_only = harness.TRAIN_STEP_COSTS["ad"].estimate(100, harness.transformer_work(16, 300, 2, 64))
+    one, three = harness.train_run_cpu_seconds(config), harness.train_run_cpu_seconds(config, evaluations=3)
+    assert one > train_only and three - train_only == pytest.approx(3 * (one - train_only))
+    longer = harness.train_run_cpu_seconds(dataclasses.replace(config, steps=200))
+    assert longer - one == pytest.approx(train_only)
+
+
+def test_print_cpu_estimate_says_it_is_an_estimate(capsys):
+    harness.print_cpu_estimate("a run", 600.0)
+    assert capsys.readouterr().err.startswith("icrl: a run: estimated CPU time ~10 min (an estimate")
+    harness.print_cpu_estimate("a run", 30.0, device="cuda:0")
+    assert "no CPU time estimate on cuda:0" in capsys.readouterr().err
+
+
+def test_per_seed_configs_one_folder_per_seed():
+    @dataclass
+    class Config:
+        seed: int = 0
+        seeds: tuple[int, ...] = (3, 5)
+        out_dir: str = "out"
+        steps: int = 7
+
+    configs = harness.per_seed_configs(Config())
+    assert configs == {
+        3: Config(seed=3, seeds=(), out_dir="out/seed3"),
+        5: Config(seed=5, seeds=(), out_dir="out/seed5"),
+    }

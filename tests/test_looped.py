@@ -333,6 +333,30 @@ def test_icrl_looped_end_to_end(tmp_path, capsys):
     assert "preset" in capsys.readouterr().err
 
 
+def test_icrl_looped_seeds_summarise_each_seed(tmp_path, capsys):
+    """``--seeds``: each seed runs as ``--seed N`` in ``seed<N>/`` (a finished single-seed run there is reused,
+    not trained again), then looped.json / .md / .png hold mean ± sd over seeds and every seed's report."""
+    assert looped_main(["--steps", "6", *TINY_RUN, "--seed", "1", "--out-dir", str(tmp_path / "seed1")]) == 0
+    single = json.loads((tmp_path / "seed1" / "looped.json").read_text())
+    written = {name: (tmp_path / "seed1" / f"{name}.pt").stat().st_mtime_ns for name in ("looped", "unlooped")}
+    capsys.readouterr()
+    assert looped_main(["--steps", "6", *TINY_RUN, "--seeds", "0", "1", "--out-dir", str(tmp_path)]) == 0
+    assert "looped - unlooped (paired)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "looped.json").read_text())
+    assert report["seeds"] == [0, 1] and set(report["per_seed"]) == {"0", "1"}
+    assert report["per_seed"]["1"]["evaluation"] == single["evaluation"]  # seed 1 reused, evaluated alike
+    assert {name: (tmp_path / "seed1" / f"{name}.pt").stat().st_mtime_ns for name in written} == written  # no step
+    errors = [report["per_seed"][seed]["evaluation"]["error_at_k"] for seed in ("0", "1")]
+    stats = report["summary"]["looped_minus_unlooped"]
+    assert stats["values"] == pytest.approx([e["looped"] - e["unlooped"] for e in errors]) and stats["n"] == 2
+    assert report["summary"]["error_at_k"]["looped"]["values"] == [e["looped"] for e in errors]
+    assert "loss" not in report["per_seed"]["0"]["training"]["looped"]
+    markdown = (tmp_path / "looped.md").read_text()
+    assert markdown.startswith("Command: `icrl-looped --steps 6 ") and "| seed 0 | seed 1 |" in markdown
+    assert (tmp_path / "looped.png").stat().st_size > 0
+    assert looped_main(["--seeds", "-1", "--out-dir", str(tmp_path)]) == 2
+
+
 def test_icrl_looped_resumes_exactly(tmp_path):
     """A run stopped after 3 steps and rerun to 6 equals a run of 6 steps straight through."""
     assert looped_main(["--steps", "6", *TINY_RUN, "--out-dir", str(tmp_path / "straight")]) == 0

@@ -13,7 +13,11 @@ batch and optimiser. Then, on ``eval_prompts`` fresh prompts:
 Presets: ``cpu`` (the paper's analysis setting d = 5, k = 10 with a narrow model; minutes on a laptop)
 and ``paper`` (d = 20, k = 40, D = 256, 8 heads, a 12-layer unlooped baseline, the official
 curricula; for a GPU). Every field can be overridden. Outputs in ``out_dir``: ``looped.json``,
-``looped.md`` (the command line, the machine and the summary) and ``looped.png``.
+``looped.md`` (the command line, the machine and the summary) and ``looped.png``. ``--seeds 0 1 2`` runs
+the experiment once per seed (each in ``out_dir/seed<N>``, as ``--seed N`` would, resuming what is there)
+and writes the three files over all seeds: mean ± sd over seeds of each method's error at ``k``, the
+looped-minus-unlooped difference per seed, and every seed's report (without the per-step training losses,
+which stay in the seed folders).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tqdm.auto import tqdm
 from .._checks import check_int, check_training_fields
 from .._cli import command_line, resolve_device
 from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
-from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
+from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 from ..cuda_graphs import prepare_capturable, set_learning_rate
 from ..function_classes import (
     BASELINES,
@@ -45,11 +49,17 @@ from ..function_classes import (
 from ..looped_step import make_graphed_train_step, make_optimizer, train_step
 from ..models.looped import LoopedConfig, LoopedTransformer
 from .harness import (
+    StepCost,
     command_string,
     fill_from_preset,
+    format_stats,
     machine_description,
+    per_seed_configs,
+    print_cpu_estimate,
     pyplot,
     run_folder,
+    seed_stats,
+    transformer_work,
     warmup_then_constant,
     write_results,
 )
@@ -108,6 +118,11 @@ class LoopedExperimentConfig(SweepOptions):
     eval_loop_factor: int = _field("evaluate the looped model up to this many times the trained b", 5)
     skip_unlooped: bool = _field("train only the looped model", False)
     seed: int = _field("random seed", 0)
+    seeds: tuple[int, ...] = dataclasses.field(
+        default=(),
+        metadata={"help": "several seeds: the experiment once per seed (as --seed, in OUT_DIR/seed<N>), then the "
+                  "files over all seeds", "metavar": "SEED"},
+    )  # fmt: skip
     threads: int | None = _field("torch CPU threads (default: half the available cores, 1 to 4)")
     device: str = _field("cpu or cuda", "cpu")
     backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
@@ -129,6 +144,9 @@ class LoopedExperimentConfig(SweepOptions):
                      "eval_loop_factor", "eval_every"):  # fmt: skip
             check_int(getattr(self, name), name, low=1)
         check_int(self.seed, "seed", low=0)
+        self.seeds = as_tuple(self.seeds, int, "seeds")
+        if any(seed < 0 for seed in self.seeds):
+            raise ValueError(f"seeds must be ints >= 0, got {self.seeds}")
         if self.grad_loops > self.loops_start:
             raise ValueError(f"grad_loops ({self.grad_loops}) must be <= loops_start ({self.loops_start})")
         if not 1 <= self.dims_start <= self.n_dims:
@@ -163,7 +181,8 @@ class LoopedExperimentConfig(SweepOptions):
 
 #: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
 RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
-                   "checkpoint_every", "eval_every", *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
+                   "checkpoint_every", "eval_every", "seeds",
+                   *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
 
 
 def run_identity(config: LoopedExperimentConfig) -> dict:
@@ -306,10 +325,36 @@ def evaluate(config: LoopedExperimentConfig, looped_model, unlooped_model) -> di
 
 
 def run_experiment(config: LoopedExperimentConfig, *, command: str | None = None) -> dict:
-    """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report.
+    """Train both models, evaluate, write ``looped.json/.md/.png`` to ``out_dir``; returns the report. With
+    ``config.seeds``: once per seed in ``out_dir/seed<N>``, then the files over all seeds (:func:`seeds_report`).
     ``command``: the command line recorded in ``looped.json`` and ``looped.md`` (default: this process's)."""
     with torch_threads(config.threads):
-        return _run_experiment(config, command)
+        if not config.seeds:
+            return _run_experiment(config, command)
+        reports = {
+            seed: _run_experiment(seed_config, command) for seed, seed_config in per_seed_configs(config).items()
+        }
+        report = seeds_report(config, reports)
+        write_results(config.out_dir, "looped", report, format_seeds_summary(report), command=command,
+                      machine=machine_description(resolve_device(config.device)))  # fmt: skip
+        plot_seeds(report, Path(config.out_dir) / "looped.png")
+        return report
+
+
+#: CPU seconds of a training step with 1 torch thread on the 2-core VM at the cpu preset's sizes, per model
+#: (the 20000-step runs of ``cpu-looped-20k.json``); work: prompts x tokens x blocks run (b loops, or the
+#: unlooped layers) x width^2.
+STEP_COSTS = {
+    "looped": StepCost(0.078, transformer_work(32, 22, 15, 64), "cpu-looped-20k.json"),
+    "unlooped": StepCost(0.028, transformer_work(32, 22, 4, 64), "cpu-looped-20k.json"),
+}
+
+
+def _estimate_cpu_seconds(config: LoopedExperimentConfig, looped: bool) -> float:
+    """The CPU time of training one model from scratch (:data:`STEP_COSTS`, at the largest b and prompt)."""
+    blocks = config.loops_end if looped else config.unlooped_layers
+    work = transformer_work(config.batch_size, 2 * config.n_points, blocks, config.d_model)
+    return STEP_COSTS["looped" if looped else "unlooped"].estimate(config.steps, work)
 
 
 @dataclass
@@ -321,9 +366,14 @@ class LoopedTrial:
 
 
 def train_trial(trial: LoopedTrial) -> dict:
-    """Train one model to its final checkpoint (``out_dir/<name>.pt``); ``{"wall_s"}``."""
+    """Train one model to its final checkpoint (``out_dir/<name>.pt``); ``{"wall_s", "cpu_s"}`` (``cpu_s``: the
+    process CPU time of this call, which resumes a checkpoint if there is one)."""
+    name = "looped" if trial.looped else "unlooped"
+    print_cpu_estimate(f"{name} model, seed {trial.config.seed} (from scratch)",
+                       _estimate_cpu_seconds(trial.config, trial.looped), device=trial.config.device)  # fmt: skip
+    start = time.process_time()
     _, history = train_model(trial.config, trial.looped)
-    return {"wall_s": history["wall_s"]}
+    return {"wall_s": history["wall_s"], "cpu_s": time.process_time() - start}
 
 
 def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict:
@@ -331,7 +381,8 @@ def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict
     # Both models train as trials (in parallel on Ray Tune); each ends with its final checkpoint, from which
     # train_model below returns at once with the model and its history.
     trials = [LoopedTrial(config, looped) for looped in ((True,) if config.skip_unlooped else (True, False))]
-    run_trials(trials, train_trial, sweep_options(config), name="looped", storage=out_dir / "ray")
+    outcomes = run_trials(trials, train_trial, sweep_options(config), name="looped", storage=out_dir / "ray")
+    cpu_start = time.process_time()
     looped_model, looped_history = train_model(config, looped=True)
     unlooped_model, unlooped_history = (None, None) if config.skip_unlooped else train_model(config, looped=False)
     evaluation_start = time.perf_counter()
@@ -358,6 +409,12 @@ def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict
             # Training times come from the checkpoints, so a resumed run still reports the whole run.
             "total": looped_history["wall_s"] + (unlooped_history or {"wall_s": 0.0})["wall_s"] + evaluation_wall,
         },
+        # Process CPU time (user + sys) of this invocation: each model's training (none when its checkpoint was
+        # already final; the part after a resume) and the evaluation.
+        "cpu_s": {
+            **{("looped" if trial.looped else "unlooped") + "_train": o["cpu_s"] for trial, o in zip(trials, outcomes)},
+            "evaluation": time.process_time() - cpu_start,
+        },
         "k": k,
         "device": str(config.device),
         "torch": torch.__version__,
@@ -366,6 +423,83 @@ def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict
                   machine=machine_description(resolve_device(config.device)))  # fmt: skip
     plot_results(report, out_dir / "looped.png")
     return report
+
+
+def seeds_report(config: LoopedExperimentConfig, reports: dict[int, dict]) -> dict:
+    """``looped.json`` over seeds: per method :func:`~.harness.seed_stats` of the error at ``k``, of the looped
+    minus unlooped error (paired by seed) and of the looped model's error at the trained ``b`` and at the most
+    loops evaluated; the summed CPU times; every seed's report without its per-step training losses."""
+    seeds = list(config.seeds)
+    errors = {name: [reports[s]["evaluation"]["error_at_k"][name] for s in seeds]
+              for name in reports[seeds[0]]["evaluation"]["error_at_k"]}  # fmt: skip
+    summary = {"error_at_k": {name: seed_stats(values) for name, values in errors.items()}}
+    if "unlooped" in errors:
+        summary["looped_minus_unlooped"] = seed_stats(np.subtract(errors["looped"], errors["unlooped"]))
+    for key in ("error_at_trained_loops", "error_at_max_loops"):
+        summary[key] = seed_stats([reports[s]["extrapolation"][key] for s in seeds])
+    per_seed = {}
+    for seed, report in reports.items():
+        training = {name: None if history is None else {k: v for k, v in history.items() if k != "loss"}
+                    for name, history in report["training"].items()}  # fmt: skip
+        per_seed[str(seed)] = {**report, "training": training}
+    return {
+        "config": dataclasses.asdict(config),
+        "seeds": seeds,
+        "k": reports[seeds[0]]["k"],
+        "summary": summary,
+        "cpu_s": {name: sum(r["cpu_s"][name] for r in reports.values()) for name in reports[seeds[0]]["cpu_s"]},
+        "per_seed": per_seed,
+    }
+
+
+def format_seeds_summary(report: dict) -> str:
+    """Markdown: the error at ``k`` per method (mean ± sd over seeds, and each seed's), the paired looped minus
+    unlooped difference, the looped model's error against loops at inference, and the CPU times."""
+    seeds, summary, k = report["seeds"], report["summary"], report["k"]
+    config = report["config"]
+    lines = [
+        f"## Looped transformer, {config['task']} (d = {config['n_dims']}, k = {k}; {config['preset']} preset, "
+        f"{config['steps']} steps), seeds {', '.join(map(str, seeds))}",
+        "",
+        f"Normalised squared error at k = {k} in-context examples ({config['eval_prompts']} fresh prompts per "
+        "seed): mean ± sd over seeds, then each seed's value.",
+        "",
+        f"| method | error (mean ± sd) | {' | '.join(f'seed {seed}' for seed in seeds)} |",
+        "|---|---|" + "---|" * len(seeds),
+    ]
+    rows = list(summary["error_at_k"].items())
+    if "looped_minus_unlooped" in summary:
+        rows.append(("looped - unlooped (paired)", summary["looped_minus_unlooped"]))
+    most_loops = config["eval_loop_factor"] * config["loops_end"]
+    rows.append((f"looped at b = {config['loops_end']} loops", summary["error_at_trained_loops"]))
+    rows.append((f"looped at {most_loops} loops", summary["error_at_max_loops"]))
+    for name, stats in rows:
+        lines.append(f"| {name} | {format_stats(stats, 4)} | {' | '.join(f'{v:.4g}' for v in stats['values'])} |")
+    cpu = ", ".join(f"{name} {seconds:.0f}" for name, seconds in report["cpu_s"].items())
+    lines += ["", f"CPU time of this invocation, summed over seeds (process user + sys, s): {cpu}."]
+    return "\n".join(lines)
+
+
+def plot_seeds(report: dict, path: Path) -> None:
+    """Two panels over seeds: every method's error against in-context examples, and the looped model's error at
+    ``k`` against loops at inference; one line per seed, a colour per method."""
+    plt = pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4), dpi=120)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (seed, seed_report) in enumerate(report["per_seed"].items()):
+        evaluation = seed_report["evaluation"]
+        for colour, (name, values) in zip(colours, evaluation["error_vs_examples"].items()):
+            left.plot(evaluation["examples"], values, color=colour, linewidth=1, label=name if index == 0 else None)
+        right.plot(evaluation["loops"], evaluation["looped_error_vs_loops_at_k"], linewidth=1, label=f"seed {seed}")
+    left.set(xlabel="in-context examples", ylabel="normalised squared error", yscale="log")
+    left.legend(fontsize=8)
+    right.axvline(report["config"]["loops_end"], color="grey", linestyle="--", linewidth=1, label="trained b")
+    right.set(xlabel="loops at inference", ylabel=f"error at k = {report['k']}", xscale="log", yscale="log")
+    right.legend(fontsize=8)
+    figure.suptitle(f"Looped transformer, {report['config']['task']}, seeds {', '.join(map(str, report['seeds']))}")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
 
 
 def _count(model) -> int | None:
@@ -434,8 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("icrl-looped", __doc__)
     add_config_arguments(parser, LoopedExperimentConfig)
     args = parser.parse_args(argv)
-    report = run_experiment(config_from_args(LoopedExperimentConfig, args), command=command_string("icrl-looped", argv))
-    print(format_summary(report))
+    config = config_from_args(LoopedExperimentConfig, args)
+    report = run_experiment(config, command=command_string("icrl-looped", argv))
+    print(format_seeds_summary(report) if config.seeds else format_summary(report))
     print(f"wrote {Path(args.out_dir) / 'looped.json'}, looped.md and looped.png")
     return 0
 
