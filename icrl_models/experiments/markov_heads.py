@@ -104,14 +104,17 @@ from ..generators import NoiseDistillation, RandomAgent, collect_histories
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
 from .harness import (
     RunningLoss,
+    StepCost,
     command_string,
     fill_from_preset,
     format_stats,
     machine_description,
     preset_help,
+    print_cpu_estimate,
     pyplot,
     run_folder,
     seed_stats,
+    transformer_work,
     warmup_then_constant,
     write_results,
 )
@@ -730,11 +733,21 @@ def _shared_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict
     return _BACKBONE_CACHE[key]
 
 
+#: CPU seconds of a training step (its share of the run's data, analysis and rollouts included) with 1 torch
+#: thread on the 2-core VM: the memory preset's 50 runs (k 3-10, 2000 steps) of ``markov-memory.json``.
+STEP_COST = StepCost(0.0247, transformer_work(32, 30, 2, 64), "markov-memory.json")
+
+
 def run_markov_trial(trial: MarkovTrial) -> dict:
     """Train and analyse one run (:func:`run_task`): ``{"result", "model_config"}``. The outcome is kept in
     ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it."""
 
     def run() -> dict:
+        config = trial.config
+        work = transformer_work(config.batch_size, 3 * trial.k, config.n_layer, config.n_embd)  # rtg, state, action
+        corridor = "" if trial.corridor_length is None else f" C={trial.corridor_length}"
+        print_cpu_estimate(f"{trial.task}{corridor} k={trial.k}, seed {trial.seed}",
+                           STEP_COST.estimate(config.steps, work), device=resolve_device(config.device))  # fmt: skip
         model_config, backbone = _shared_backbone(trial.config, trial.seed)
         task = make_task(trial.task, trial.config, trial.corridor_length)
         result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
