@@ -227,7 +227,12 @@ def train_run_cpu_seconds(config: TrainConfig, evaluations: int = 1) -> float:
 def print_cpu_estimate(what: str, seconds: float, *, device: Any = "cpu") -> None:
     """Print, before a run starts, ``icrl: <what>: estimated CPU time ~N min ...`` on stderr. The constants
     behind ``seconds`` (:class:`StepCost`) were measured with one torch thread on the 2-core development VM
-    (AMD EPYC); on a GPU the line says that no estimate applies."""
+    (AMD EPYC); on a GPU (``device`` ``cuda...``, or ``auto`` where CUDA is available) the line says that no
+    estimate applies."""
+    if str(device) == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda"):
         print(
             f"icrl: {what}: no CPU time estimate on {device} (the cost model is calibrated on a CPU)", file=sys.stderr

@@ -82,9 +82,11 @@ from .harness import (
     fill_from_preset,
     format_stats,
     preset_help,
+    print_cpu_estimate,
     pyplot,
     run_folder,
     seed_stats,
+    train_run_cpu_seconds,
     write_results,
 )
 from .sweep import SweepOptions, run_trials, sweep_options
@@ -446,6 +448,8 @@ def run_trial(config: TrainConfig) -> dict:
     "source_success_rate" (None where the evaluation gives no success rate), "status", "wall_seconds",
     "summary"}``."""
     finished = _finished(config.out_dir)
+    if not finished:
+        print_cpu_estimate(f"{config.model} run {config.out_dir}", train_run_cpu_seconds(config), device=config.device)
     summary = train(config)
     source, random = summary["source_final_return"], summary.get("random_final_return")
     return {
