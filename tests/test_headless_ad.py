@@ -309,6 +309,16 @@ def test_separate_tokens_read_each_step_at_its_state_token():
     assert model.token_projection is None and base.shape == (2, 9, model.config.embed_dim)
 
 
+def _acted(model, state, states, prev_actions, prev_rewards, available, sample: bool) -> torch.Tensor:
+    """``[T, B]``: the actions ``model.act`` takes step by step over a ``[B, T]`` context (draws seeded with 5)."""
+    generator = torch.Generator().manual_seed(5)
+    return torch.stack([
+        model.act(state, states[:, t], prev_actions[:, t], prev_rewards[:, t], available=available, sample=sample,
+                  generator=generator)
+        for t in range(states.shape[1])
+    ])  # fmt: skip
+
+
 def test_cold_sampling_picks_the_most_similar_action():
     """``select_tau`` only changes sampling: near 0 it equals argmax; at the training tau it does not."""
     torch.manual_seed(0)
@@ -319,12 +329,7 @@ def test_cold_sampling_picks_the_most_similar_action():
 
     def picks(sample: bool) -> torch.Tensor:
         state = model.init_decode_state(64, 5, available=available, generator=torch.Generator().manual_seed(0))
-        generator = torch.Generator().manual_seed(5)
-        return torch.stack([
-            model.act(state, states[:, t], prev_actions[:, t], prev_rewards[:, t], available=available,
-                      sample=sample, generator=generator)
-            for t in range(5)
-        ])  # fmt: skip
+        return _acted(model, state, states, prev_actions, prev_rewards, available, sample)
 
     argmax = picks(sample=False)
     torch.testing.assert_close(picks(sample=True), argmax)
@@ -347,13 +352,7 @@ def test_ad_select_tau_changes_only_sampling():
 
     def picks(select_tau, sample: bool = True) -> torch.Tensor:
         model.config.select_tau = select_tau
-        state = model.init_decode_state(64, 5)
-        draws = torch.Generator().manual_seed(5)
-        return torch.stack([
-            model.act(state, states[:, t], prev_actions[:, t], prev_rewards[:, t], available=available,
-                      sample=sample, generator=draws)
-            for t in range(5)
-        ])  # fmt: skip
+        return _acted(model, model.init_decode_state(64, 5), states, prev_actions, prev_rewards, available, sample)
 
     argmax = picks(None, sample=False)
     torch.testing.assert_close(picks(1e-4), argmax)
