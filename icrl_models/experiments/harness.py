@@ -198,15 +198,17 @@ def transformer_work(batch: int, tokens: int, layers: int, width: int) -> float:
 
 
 #: icrl-train's training step per model kind, in :func:`transformer_work` units (``seq_len`` tokens, attention
-#: and n-gram blocks), and one step of an in-context rollout per environment (env-steps x blocks x width^2):
-#: the Dark Room main job (N-Gram AD, its final evaluation) and the Bernoulli runs of ``headless-bernoulli.json``
-#: (AD, Headless-AD), 1 torch thread each.
+#: and n-gram blocks), and one step of an in-context rollout per environment (env-steps x blocks x width^2),
+#: 1 torch thread: the Dark Room main job (N-Gram AD) and the Bernoulli runs of ``headless-bernoulli.json`` (AD,
+#: Headless-AD: 190-205 and 289-317 CPU s for 1500 steps; their evaluations, 100 bandits x 300 pulls, 1.9 and
+#: 3.3 s each). The main job's Dark Room rollouts cost ~2x the bandits' per unit (environment and Q-learning
+#: rerun): its estimate is ~10% low.
 TRAIN_STEP_COSTS: dict[str, StepCost] = {
     "ngram_ad": StepCost(0.10, transformer_work(32, 100, 4, 64), "main-job.json"),
-    "ad": StepCost(0.10, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
-    "headless_ad": StepCost(0.25, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
+    "ad": StepCost(0.133, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
+    "headless_ad": StepCost(0.20, transformer_work(16, 300, 2, 64), "headless-bernoulli.json"),
 }
-ROLLOUT_STEP_COST = StepCost(4.5e-4, 4 * 64 * 64, "main-job.json")
+ROLLOUT_STEP_COST = StepCost(1.1e-4, 2 * 64 * 64, "headless-bernoulli.json")
 
 
 def train_run_cpu_seconds(config: TrainConfig, evaluations: int = 1) -> float:

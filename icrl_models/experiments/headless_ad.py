@@ -555,7 +555,7 @@ def results_table(results: dict) -> str:
     models = results["models"]
 
     def temperature(name: str) -> str:
-        return f"{models[name]['temperature']:g} x {'tau' if name == 'headless_ad' else '1'}"
+        return f"{models[name]['temperature']:g} x {'tau' if name == 'headless_ad' else 'the trained softmax'}"
 
     lines = [
         f"{metric}: mean ± sd over training seeds {_listed(results['training_seeds'])} of each seed's mean over "
