@@ -584,7 +584,7 @@ def results_table(results: dict) -> str:
         runs = models[name]["runs"].values()
         cells.append(" / ".join(f"{run['train_cpu_seconds']:.0f} + {run['eval_cpu_seconds']:.0f}" for run in runs))
     lines.append(f"| CPU s per training seed (training + evaluations run here) | | {' | '.join(cells)} |")
-    return f"{metric}\n\n" + "\n".join(lines)
+    return "\n".join(lines)
 
 
 def _listed(values) -> str:
