@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -180,24 +180,55 @@ def success(model: str, **keys) -> Callable:
 GOALS, DEFAULTS, GOALS_10K = "ngram-ad-goals.json", "ngram-ad-goals-defaults.json", "ngram-ad-goals-10k-steps.json"
 for _goals in (10, 20, 30):
     claims(
-        Claim("results", f"| {_goals} | 0, 1, 2 | {{}} ± {{}} / {{}} ± {{}} / {{}} ± {{}} | {{}} ± {{}} / {{}} ± {{}} / "
-              "{} ± {} |", GOALS,
-              lambda d, g=_goals: [v for m in ("ad", "ngram_ad") for i in (0, 1, 3) for v in emp(m, i, num_train_tasks=g)(d)]),
-        Claim("results", f"| {_goals} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} (", DEFAULTS,
-              lambda d, g=_goals: [*scores("ad", num_train_tasks=g)(d), *scores("ngram_ad", num_train_tasks=g)(d),
-                                   *paired(num_train_tasks=g)(d)]),
-        Claim("results", f"| {_goals} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} ({{}} of 5{' seeds' if _goals == 10 else ''}) "
-              f"| {{}} | {' / '.join(['{}'] * 5)} | {' / '.join(['{}'] * 5)} |", DEFAULTS,
-              lambda d, g=_goals: [*scores("ad", num_train_tasks=g)(d), *scores("ngram_ad", num_train_tasks=g)(d),
-                                   *paired(num_train_tasks=g)(d), ahead(num_train_tasks=g)(d),
-                                   setting(d, num_train_tasks=g)["source"]["random_score"]["mean"],
-                                   *per_seed("ad", num_train_tasks=g)(d), *per_seed("ngram_ad", num_train_tasks=g)(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_goals} | 0, 1, 2 | {{}} ± {{}} / {{}} ± {{}} / {{}} ± {{}} | {{}} ± {{}} / {{}} ± {{}} / "
+            "{} ± {} |",
+            GOALS,
+            lambda d, g=_goals: [
+                v for m in ("ad", "ngram_ad") for i in (0, 1, 3) for v in emp(m, i, num_train_tasks=g)(d)
+            ],
+        ),
+        Claim(
+            "results",
+            f"| {_goals} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} (",
+            DEFAULTS,
+            lambda d, g=_goals: [
+                *scores("ad", num_train_tasks=g)(d),
+                *scores("ngram_ad", num_train_tasks=g)(d),
+                *paired(num_train_tasks=g)(d),
+            ],
+        ),
+        Claim(
+            "results",
+            f"| {_goals} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} ({{}} of 5{' seeds' if _goals == 10 else ''}) "
+            f"| {{}} | {' / '.join(['{}'] * 5)} | {' / '.join(['{}'] * 5)} |",
+            DEFAULTS,
+            lambda d, g=_goals: [
+                *scores("ad", num_train_tasks=g)(d),
+                *scores("ngram_ad", num_train_tasks=g)(d),
+                *paired(num_train_tasks=g)(d),
+                ahead(num_train_tasks=g)(d),
+                setting(d, num_train_tasks=g)["source"]["random_score"]["mean"],
+                *per_seed("ad", num_train_tasks=g)(d),
+                *per_seed("ngram_ad", num_train_tasks=g)(d),
+            ],
+        ),
+    )
 claims(
-    Claim("results", "| 10k | {} ± {} | {} ± {} | {} ± {} (3 of 4) | {} / {} / {} / {} | {} / {} / {} / {} |",
-          GOALS_10K, lambda d: [*scores("ad")(d), *scores("ngram_ad")(d), *paired()(d), *per_seed("ad")(d),
-                                *per_seed("ngram_ad")(d)]),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| 10k | {} ± {} | {} ± {} | {} ± {} (3 of 4) | {} / {} / {} / {} | {} / {} / {} / {} |",
+        GOALS_10K,
+        lambda d: [
+            *scores("ad")(d),
+            *scores("ngram_ad")(d),
+            *paired()(d),
+            *per_seed("ad")(d),
+            *per_seed("ngram_ad")(d),
+        ],
+    ),
+)
 
 # --- N-Gram AD, Key-to-Door ------------------------------------------------------------------------------
 
@@ -205,46 +236,113 @@ K2D, K2D_10K = "key-to-door-defaults.json", "key-to-door-10k-steps.json"
 K2D_27X, K2D_27X_10K = "key-to-door-ad-27x-data.json", "key-to-door-ad-27x-data-10k-steps.json"
 for _histories in (500, 750, 1000):
     claims(
-        Claim("results", f"| {_histories} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} (", K2D,
-              lambda d, h=_histories: [*scores("ad", num_histories=h)(d), *scores("ngram_ad", num_histories=h)(d),
-                                       *paired(num_histories=h)(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_histories} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} (",
+            K2D,
+            lambda d, h=_histories: [
+                *scores("ad", num_histories=h)(d),
+                *scores("ngram_ad", num_histories=h)(d),
+                *paired(num_histories=h)(d),
+            ],
+        ),
+    )
 claims(
-    Claim("results", "| {} ± {} | {} ± {} | return {} ± {}, success {} ± {} | {} of Q-learning's return |", K2D,
-          lambda d: [*success("ad", num_histories=500)(d), *success("ngram_ad", num_histories=500)(d),
-                     *stats("settings", 0, "source", "source_final_return")(d),
-                     *stats("settings", 0, "source", "source_success_rate")(d),
-                     setting(d, num_histories=500)["source"]["random_score"]["mean"]]),
-    Claim("results", "| 2500 | AD | 100 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_27X,
-          lambda d: [*scores("ad", num_train_tasks=100)(d), *success("ad", num_train_tasks=100)(d),
-                     *per_seed("ad", num_train_tasks=100)(d)]),
-    Claim("results", "| 2500 | AD | 2048 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_27X,
-          lambda d: [*scores("ad", num_train_tasks=2048)(d), *success("ad", num_train_tasks=2048)(d),
-                     *per_seed("ad", num_train_tasks=2048)(d)]),
-    Claim("results", "| 10k | N-Gram AD | 100 | 500 | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_10K,
-          lambda d: [*scores("ngram_ad")(d), *success("ngram_ad")(d), *per_seed("ngram_ad")(d)]),
-    Claim("results", "| 10k | AD | 100 | 500 | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_10K,
-          lambda d: [*scores("ad")(d), *success("ad")(d), *per_seed("ad")(d)]),
-    Claim("results", "| 10k | AD | 100 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_27X_10K,
-          lambda d: [*scores("ad", num_train_tasks=100)(d), *success("ad", num_train_tasks=100)(d),
-                     *per_seed("ad", num_train_tasks=100)(d)]),
-    Claim("results", "| 10k | AD | 2048 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |", K2D_27X_10K,
-          lambda d: [*scores("ad", num_train_tasks=2048)(d), *success("ad", num_train_tasks=2048)(d),
-                     *per_seed("ad", num_train_tasks=2048)(d)]),
-    Claim("results", "Q-learning's success rate on the held-out tasks {}-{} over the 5 seeds of the 100-goal split, "
-          "{}-{} over those of the 2048-goal split", K2D_27X,
-          lambda d: [*ranged(per_seed("ad", "source_success_rate", num_train_tasks=100))(d),
-                     *ranged(per_seed("ad", "source_success_rate", num_train_tasks=2048))(d)]),
-    Claim("results", "(random policy {}-{} of Q-learning's return, the mean over seeds of each setting;", K2D_27X,
-          lambda d: sorted(np.mean(per_seed("ad", "random_score", num_train_tasks=n)(d)) for n in (100, 2048))),
-    Claim("results", "| 500 | {} / {} | {} / {} | return {}, success {} | {} of Q-learning's return (seed 0's",
-          "archive/key-to-door.json",
-          lambda d: [trials(d, model="ad", num_histories=500)[0]["score"], trials(d, model="ad", num_histories=500)[0]["success_rate"],
-                     trials(d, model="ngram_ad", num_histories=500)[0]["score"],
-                     trials(d, model="ngram_ad", num_histories=500)[0]["success_rate"],
-                     d["trials"][0]["source_final_return"], d["trials"][0]["source_success_rate"],
-                     trials(load(K2D), seed=0)[0]["random_score"]]),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| {} ± {} | {} ± {} | return {} ± {}, success {} ± {} | {} of Q-learning's return |",
+        K2D,
+        lambda d: [
+            *success("ad", num_histories=500)(d),
+            *success("ngram_ad", num_histories=500)(d),
+            *stats("settings", 0, "source", "source_final_return")(d),
+            *stats("settings", 0, "source", "source_success_rate")(d),
+            setting(d, num_histories=500)["source"]["random_score"]["mean"],
+        ],
+    ),
+    Claim(
+        "results",
+        "| 2500 | AD | 100 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_27X,
+        lambda d: [
+            *scores("ad", num_train_tasks=100)(d),
+            *success("ad", num_train_tasks=100)(d),
+            *per_seed("ad", num_train_tasks=100)(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "| 2500 | AD | 2048 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_27X,
+        lambda d: [
+            *scores("ad", num_train_tasks=2048)(d),
+            *success("ad", num_train_tasks=2048)(d),
+            *per_seed("ad", num_train_tasks=2048)(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "| 10k | N-Gram AD | 100 | 500 | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_10K,
+        lambda d: [*scores("ngram_ad")(d), *success("ngram_ad")(d), *per_seed("ngram_ad")(d)],
+    ),
+    Claim(
+        "results",
+        "| 10k | AD | 100 | 500 | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_10K,
+        lambda d: [*scores("ad")(d), *success("ad")(d), *per_seed("ad")(d)],
+    ),
+    Claim(
+        "results",
+        "| 10k | AD | 100 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_27X_10K,
+        lambda d: [
+            *scores("ad", num_train_tasks=100)(d),
+            *success("ad", num_train_tasks=100)(d),
+            *per_seed("ad", num_train_tasks=100)(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "| 10k | AD | 2048 | 13,500 (27x) | 5 | {} ± {} | {} ± {} | {} / {} / {} / {} / {} |",
+        K2D_27X_10K,
+        lambda d: [
+            *scores("ad", num_train_tasks=2048)(d),
+            *success("ad", num_train_tasks=2048)(d),
+            *per_seed("ad", num_train_tasks=2048)(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "Q-learning's success rate on the held-out tasks {}-{} over the 5 seeds of the 100-goal split, "
+        "{}-{} over those of the 2048-goal split",
+        K2D_27X,
+        lambda d: [
+            *ranged(per_seed("ad", "source_success_rate", num_train_tasks=100))(d),
+            *ranged(per_seed("ad", "source_success_rate", num_train_tasks=2048))(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "(random policy {}-{} of Q-learning's return, the mean over seeds of each setting;",
+        K2D_27X,
+        lambda d: sorted(np.mean(per_seed("ad", "random_score", num_train_tasks=n)(d)) for n in (100, 2048)),
+    ),
+    Claim(
+        "results",
+        "| 500 | {} / {} | {} / {} | return {}, success {} | {} of Q-learning's return (seed 0's",
+        "archive/key-to-door.json",
+        lambda d: [
+            trials(d, model="ad", num_histories=500)[0]["score"],
+            trials(d, model="ad", num_histories=500)[0]["success_rate"],
+            trials(d, model="ngram_ad", num_histories=500)[0]["score"],
+            trials(d, model="ngram_ad", num_histories=500)[0]["success_rate"],
+            d["trials"][0]["source_final_return"],
+            d["trials"][0]["source_success_rate"],
+            trials(load(K2D), seed=0)[0]["random_score"],
+        ],
+    ),
+)
 
 
 @pytest.mark.parametrize("claim", CLAIMS, ids=str)
@@ -253,9 +351,13 @@ def test_quoted_number_matches_its_file(claim: Claim):
 
 
 claims(
-    Claim("results", "| 2500 | N-Gram AD | 100 | 500 | 5 | {} ± {} | {} ± {} | previous section |", K2D,
-          lambda d: [*scores("ngram_ad", num_histories=500)(d), *success("ngram_ad", num_histories=500)(d)]),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| 2500 | N-Gram AD | 100 | 500 | 5 | {} ± {} | {} ± {} | previous section |",
+        K2D,
+        lambda d: [*scores("ngram_ad", num_histories=500)(d), *success("ngram_ad", num_histories=500)(d)],
+    ),
+)
 
 # --- Headless-AD: ablations, contextual bandits, Darkroom-125 ---------------------------------------------------
 
@@ -263,44 +365,95 @@ ABLATIONS = "headless-ablations-reward-use.json"
 for _name in ("preset", "separate action/reward/state tokens (paper)", "separate tokens with 3 layers", "4000 steps"):
     for _fraction in ("1.0", "0.35"):
         claims(
-            Claim("results", f"| {_name} | {_fraction} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | {{}} | {{}} |", ABLATIONS,
-                  lambda d, n=_name, f=_fraction: [
-                      *(v for arms in ("4-20", "20", "50") for v in stats("ablations", n, "scores", f, arms)(d)),
-                      at("ablations", n, "scores", f, "50", "mean")(d) - at("ablations", n, "scores", f, "4-20", "mean")(d),
-                      at("ablations", n, "reward_use", "gap")(d)]),
-        )  # fmt: skip
+            Claim(
+                "results",
+                f"| {_name} | {_fraction} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} | {{}} | {{}} |",
+                ABLATIONS,
+                lambda d, n=_name, f=_fraction: [
+                    *(v for arms in ("4-20", "20", "50") for v in stats("ablations", n, "scores", f, arms)(d)),
+                    at("ablations", n, "scores", f, "50", "mean")(d)
+                    - at("ablations", n, "scores", f, "4-20", "mean")(d),
+                    at("ablations", n, "reward_use", "gap")(d),
+                ],
+            ),
+        )
 claims(
-    Claim("results", "teacher-forced loss is nonetheless lower than that of every joint-token variant trained as long "
-          "({} and {} against {}-{}, the preset {}; only the preset trained 4000 steps is lower, {})", ABLATIONS,
-          lambda d: [at("ablations", "separate action/reward/state tokens (paper)", "reward_use", "loss")(d),
-                     at("ablations", "separate tokens with 3 layers", "reward_use", "loss")(d),
-                     min(e["reward_use"]["loss"] for n, e in d["ablations"].items() if "separate" not in n and n != "4000 steps"),
-                     max(e["reward_use"]["loss"] for n, e in d["ablations"].items() if "separate" not in n and n != "4000 steps"),
-                     at("ablations", "preset", "reward_use", "loss")(d), at("ablations", "4000 steps", "reward_use", "loss")(d)]),
-    Claim("results", "scores 0.03-0.12 on 50 arms when it samples at its training tau, and {}-{} at its best colder "
-          "temperature", "archive/headless-ablations.json",
-          lambda d: ranged(lambda d: [max(e["scores"][f]["50"]["mean"] for f in ("0.5", "0.25"))
-                                      for n, e in d["ablations"].items() if "separate" not in n])(d)),
+    Claim(
+        "results",
+        "teacher-forced loss is nonetheless lower than that of every joint-token variant trained as long "
+        "({} and {} against {}-{}, the preset {}; only the preset trained 4000 steps is lower, {})",
+        ABLATIONS,
+        lambda d: [
+            at("ablations", "separate action/reward/state tokens (paper)", "reward_use", "loss")(d),
+            at("ablations", "separate tokens with 3 layers", "reward_use", "loss")(d),
+            min(
+                e["reward_use"]["loss"] for n, e in d["ablations"].items() if "separate" not in n and n != "4000 steps"
+            ),
+            max(
+                e["reward_use"]["loss"] for n, e in d["ablations"].items() if "separate" not in n and n != "4000 steps"
+            ),
+            at("ablations", "preset", "reward_use", "loss")(d),
+            at("ablations", "4000 steps", "reward_use", "loss")(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "scores 0.03-0.12 on 50 arms when it samples at its training tau, and {}-{} at its best colder temperature",
+        "archive/headless-ablations.json",
+        lambda d: ranged(
+            lambda d: [
+                max(e["scores"][f]["50"]["mean"] for f in ("0.5", "0.25"))
+                for n, e in d["ablations"].items()
+                if "separate" not in n
+            ]
+        )(d),
+    ),
     *(
-        Claim("results", "| 4-20 arms (training counts) | {} | {} |", name, occurrence=index,
-              values=lambda d: [at("models", m, "scores", "4-20 arms", "normalized_score")(d) for m in ("headless_ad", "ad")])
+        Claim(
+            "results",
+            "| 4-20 arms (training counts) | {} | {} |",
+            name,
+            occurrence=index,
+            values=lambda d: [
+                at("models", m, "scores", "4-20 arms", "normalized_score")(d) for m in ("headless_ad", "ad")
+            ],
+        )
         for index, name in enumerate(("headless-contextual.json", "headless-contextual-6000-steps.json"))
     ),
-    Claim("results", "| 25 / 30 / 40 / 50 arms | {} / {} / {} / {} | n/a |", "headless-contextual-6000-steps.json",
-          lambda d: [at("models", "headless_ad", "scores", f"{n} arms", "normalized_score")(d) for n in (25, 30, 40, 50)]),
-    Claim("results", "| reward use (shuffled - true loss, nats) | {} ({} - {}) | {} ({} - {}) |",
-          "headless-contextual-6000-steps.json",
-          lambda d: [at("models", m, "reward_use", k)(d) for m in ("headless_ad", "ad") for k in ("gap", "shuffled_loss", "loss")]),
-    *(
-        Claim("results", f"| {label} | {{}} | {{}} | {{}} |", name, occurrence=index if label != "train" else None,
-              values=lambda d, s=set_name: [at("models", "headless_ad", "scores", s, "final_return")(d),
-                                            at("models", "ad", "scores", s, "final_return")(d),
-                                            at("models", "headless_ad", "scores", s, "random_final_return")(d)])
-        for index, name in enumerate(("headless-darkroom.json", "headless-darkroom-12000-steps.json"))
-        for label, set_name in (("train (the training action sets)" if index == 0 else "train", "train"),
-                                ("permuted train", "permuted train"), ("sliced test", "sliced test"))
+    Claim(
+        "results",
+        "| 25 / 30 / 40 / 50 arms | {} / {} / {} / {} | n/a |",
+        "headless-contextual-6000-steps.json",
+        lambda d: [at("models", "headless_ad", "scores", f"{n} arms", "normalized_score")(d) for n in (25, 30, 40, 50)],
     ),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| reward use (shuffled - true loss, nats) | {} ({} - {}) | {} ({} - {}) |",
+        "headless-contextual-6000-steps.json",
+        lambda d: [
+            at("models", m, "reward_use", k)(d) for m in ("headless_ad", "ad") for k in ("gap", "shuffled_loss", "loss")
+        ],
+    ),
+    *(
+        Claim(
+            "results",
+            f"| {label} | {{}} | {{}} | {{}} |",
+            name,
+            occurrence=index if label != "train" else None,
+            values=lambda d, s=set_name: [
+                at("models", "headless_ad", "scores", s, "final_return")(d),
+                at("models", "ad", "scores", s, "final_return")(d),
+                at("models", "headless_ad", "scores", s, "random_final_return")(d),
+            ],
+        )
+        for index, name in enumerate(("headless-darkroom.json", "headless-darkroom-12000-steps.json"))
+        for label, set_name in (
+            ("train (the training action sets)" if index == 0 else "train", "train"),
+            ("permuted train", "permuted train"),
+            ("sliced test", "sliced test"),
+        )
+    ),
+)
 
 # --- Markov heads -------------------------------------------------------------------------------------------
 
@@ -310,13 +463,19 @@ for _label, _horizon, _task in (
     ("Dark Room, goal hidden", "long", "dark_room"),
 ):
     claims(
-        Claim("results", f"| {_label} | {_horizon} | {{}} ({{}}) | {{}} | {{}} +- {{}} | {{}} +- {{}} |", "cpu-markov.json",
-              lambda d, t=_task: [at("summary", t, "10", "return_model", "mean")(d),
-                                  at("summary", t, "10", "return_optimal", "mean")(d),
-                                  at("summary", t, "10", "g_markov_at_init", "mean")(d),
-                                  *stats("summary", t, "10", "g_markov")(d),
-                                  *stats("summary", t, "10", "g_markov_state_tokens")(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_label} | {_horizon} | {{}} ({{}}) | {{}} | {{}} +- {{}} | {{}} +- {{}} |",
+            "cpu-markov.json",
+            lambda d, t=_task: [
+                at("summary", t, "10", "return_model", "mean")(d),
+                at("summary", t, "10", "return_optimal", "mean")(d),
+                at("summary", t, "10", "g_markov_at_init", "mean")(d),
+                *stats("summary", t, "10", "g_markov")(d),
+                *stats("summary", t, "10", "g_markov_state_tokens")(d),
+            ],
+        ),
+    )
 
 MEMORY = "markov-memory.json"
 
@@ -333,23 +492,43 @@ def memory_pair(corridor: int, k: int = 10, metric: str = "g_markov_state_tokens
 
 for _corridor in (2, 4, 8):
     claims(
-        Claim("results", f"| cue_visible, C = {_corridor} | 0 | {{}} ± {{}} | {{}} ± {{}} | |", MEMORY,
-              lambda d, c=_corridor: [*stats("summary", f"cue_visible_C{c}", "10", "g_markov")(d),
-                                      *stats("summary", f"cue_visible_C{c}", "10", "g_markov_state_tokens")(d)]),
-        Claim("results", f"| cue_hidden, C = {_corridor} | {_corridor} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} ({{}}/5) |",
-              MEMORY, lambda d, c=_corridor: [*stats("summary", f"cue_hidden_C{c}", "10", "g_markov")(d),
-                                              *stats("summary", f"cue_hidden_C{c}", "10", "g_markov_state_tokens")(d),
-                                              *memory_pair(c)(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| cue_visible, C = {_corridor} | 0 | {{}} ± {{}} | {{}} ± {{}} | |",
+            MEMORY,
+            lambda d, c=_corridor: [
+                *stats("summary", f"cue_visible_C{c}", "10", "g_markov")(d),
+                *stats("summary", f"cue_visible_C{c}", "10", "g_markov_state_tokens")(d),
+            ],
+        ),
+        Claim(
+            "results",
+            f"| cue_hidden, C = {_corridor} | {_corridor} | {{}} ± {{}} | {{}} ± {{}} | {{}} ± {{}} ({{}}/5) |",
+            MEMORY,
+            lambda d, c=_corridor: [
+                *stats("summary", f"cue_hidden_C{c}", "10", "g_markov")(d),
+                *stats("summary", f"cue_hidden_C{c}", "10", "g_markov_state_tokens")(d),
+                *memory_pair(c)(d),
+            ],
+        ),
+    )
 
 # --- Looped transformers (the 5000-step cpu preset) ------------------------------------------------------------
 
 claims(
-    Claim("results", "| looped (b = 15), 52k parameters | {} | [{}, {}] |", "cpu-looped.json",
-          lambda d: [at("evaluation", "error_at_k", "looped")(d), *at("evaluation", "error_at_k_90ci", "looped")(d)]),
-    Claim("results", "| unlooped (4 layers), 202k parameters | {} | [{}, {}] |", "cpu-looped.json",
-          lambda d: [at("evaluation", "error_at_k", "unlooped")(d), *at("evaluation", "error_at_k_90ci", "unlooped")(d)]),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| looped (b = 15), 52k parameters | {} | [{}, {}] |",
+        "cpu-looped.json",
+        lambda d: [at("evaluation", "error_at_k", "looped")(d), *at("evaluation", "error_at_k_90ci", "looped")(d)],
+    ),
+    Claim(
+        "results",
+        "| unlooped (4 layers), 202k parameters | {} | [{}, {}] |",
+        "cpu-looped.json",
+        lambda d: [at("evaluation", "error_at_k", "unlooped")(d), *at("evaluation", "error_at_k_90ci", "unlooped")(d)],
+    ),
+)
 
 
 # --- every results file a README names exists, and parses ---------------------------------------------------
@@ -416,53 +595,124 @@ def test_every_claimed_file_is_named_in_its_readme():
 BERNOULLI = "headless-bernoulli.json"
 for _set in ("train means, 4-20 arms", "mirrored, 4-20 arms", "uniform, 4-20 arms", "uniform, 20 arms"):
     claims(
-        Claim("results", f"| {_set} | seen | {{}} ± {{}} | {{}} ± {{}} |", BERNOULLI,
-              lambda d, s=_set: [*stats("models", "headless_ad", "scores", s)(d), *stats("models", "ad", "scores", s)(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_set} | seen | {{}} ± {{}} | {{}} ± {{}} |",
+            BERNOULLI,
+            lambda d, s=_set: [*stats("models", "headless_ad", "scores", s)(d), *stats("models", "ad", "scores", s)(d)],
+        ),
+    )
 for _set in ("uniform, 25 arms", "uniform, 30 arms", "uniform, 40 arms", "uniform, 50 arms"):
     claims(
-        Claim("results", f"| {_set} | unseen | {{}} ± {{}} | n/a", BERNOULLI,
-              lambda d, s=_set: stats("models", "headless_ad", "scores", s)(d)),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_set} | unseen | {{}} ± {{}} | n/a",
+            BERNOULLI,
+            lambda d, s=_set: stats("models", "headless_ad", "scores", s)(d),
+        ),
+    )
 claims(
-    Claim("results", "| reward use (nats) | | {} ± {} | {} ± {} | |", BERNOULLI,
-          lambda d: [*stats("models", "headless_ad", "reward_use")(d), *stats("models", "ad", "reward_use")(d)]),
-    Claim("results", "| Headless-AD ({} x tau) | AD ({} x its softmax) |", BERNOULLI,
-          lambda d: [at("models", "headless_ad", "temperature")(d), at("models", "ad", "temperature")(d)]),
-    Claim("results", "Headless-AD {} / {} / {} / {} ({} chosen; also the best on each training seed alone), AD {} / {} / "
-          "{} / {} ({} chosen", BERNOULLI,
-          lambda d: [*(d["models"]["headless_ad"]["selection"][str(f)] for f in d["temperature_grid"]),
-                     d["models"]["headless_ad"]["temperature"],
-                     *(d["models"]["ad"]["selection"][str(f)] for f in d["temperature_grid"]), d["models"]["ad"]["temperature"]]),
-    Claim("results", "{} s of process CPU time (user + sys, measured by the command; per training seed Headless-AD "
-          "{}-{} s of training and {}-{} s of evaluations, AD {}-{} s and {}-{} s)", BERNOULLI,
-          lambda d: [d["cpu_seconds"], *(v for m in ("headless_ad", "ad") for k in ("train_cpu_seconds", "eval_cpu_seconds")
-                                         for v in ranged(lambda d, m=m, k=k: [r[k] for r in d["models"][m]["runs"].values()])(d))],
-          tolerance=0.5),
-    Claim("results", "(e.g. {}-{} on train means for seed 0)", BERNOULLI,
-          lambda d: ranged(at("models", "headless_ad", "runs", "0", "scores", "train means, 4-20 arms", "values"))(d)),
-    Claim("results", "read {}-{} on 4-20 arms and {}-{} on 20-50", "archive/headless-bernoulli.json",
-          lambda d: [*ranged(lambda d: [v["normalized_score"] for k, v in d["models"]["headless_ad"]["scores"].items()
-                                        if "4-20" in k])(d),
-                     *ranged(lambda d: [v["normalized_score"] for k, v in d["models"]["headless_ad"]["scores"].items()
-                                        if "4-20" not in k])(d)]),
-)  # fmt: skip
+    Claim(
+        "results",
+        "| reward use (nats) | | {} ± {} | {} ± {} | |",
+        BERNOULLI,
+        lambda d: [*stats("models", "headless_ad", "reward_use")(d), *stats("models", "ad", "reward_use")(d)],
+    ),
+    Claim(
+        "results",
+        "| Headless-AD ({} x tau) | AD ({} x its softmax) |",
+        BERNOULLI,
+        lambda d: [at("models", "headless_ad", "temperature")(d), at("models", "ad", "temperature")(d)],
+    ),
+    Claim(
+        "results",
+        "Headless-AD {} / {} / {} / {} ({} chosen; also the best on each training seed alone), AD {} / {} / "
+        "{} / {} ({} chosen",
+        BERNOULLI,
+        lambda d: [
+            *(d["models"]["headless_ad"]["selection"][str(f)] for f in d["temperature_grid"]),
+            d["models"]["headless_ad"]["temperature"],
+            *(d["models"]["ad"]["selection"][str(f)] for f in d["temperature_grid"]),
+            d["models"]["ad"]["temperature"],
+        ],
+    ),
+    Claim(
+        "results",
+        "{} s of process CPU time (user + sys, measured by the command; per training seed Headless-AD "
+        "{}-{} s of training and {}-{} s of evaluations, AD {}-{} s and {}-{} s)",
+        BERNOULLI,
+        lambda d: [
+            d["cpu_seconds"],
+            *(
+                v
+                for m in ("headless_ad", "ad")
+                for k in ("train_cpu_seconds", "eval_cpu_seconds")
+                for v in ranged(lambda d, m=m, k=k: [r[k] for r in d["models"][m]["runs"].values()])(d)
+            ),
+        ],
+        tolerance=0.5,
+    ),
+    Claim(
+        "results",
+        "(e.g. {}-{} on train means for seed 0)",
+        BERNOULLI,
+        lambda d: ranged(at("models", "headless_ad", "runs", "0", "scores", "train means, 4-20 arms", "values"))(d),
+    ),
+    Claim(
+        "results",
+        "read {}-{} on 4-20 arms and {}-{} on 20-50",
+        "archive/headless-bernoulli.json",
+        lambda d: [
+            *ranged(
+                lambda d: [
+                    v["normalized_score"] for k, v in d["models"]["headless_ad"]["scores"].items() if "4-20" in k
+                ]
+            )(d),
+            *ranged(
+                lambda d: [
+                    v["normalized_score"] for k, v in d["models"]["headless_ad"]["scores"].items() if "4-20" not in k
+                ]
+            )(d),
+        ],
+    ),
+)
 
 # --- Induction heads --------------------------------------------------------------------------------------
 
 INDUCTION = "cpu-induction-phase-change.json"
-for _label, _variant in (("1 layer", "1L"), ("1 layer, smeared keys", "1L-smear"), ("2 layers", "2L"),
-                         ("2 layers, smeared keys", "2L-smear")):  # fmt: skip
+for _label, _variant in (
+    ("1 layer", "1L"),
+    ("1 layer, smeared keys", "1L-smear"),
+    ("2 layers", "2L"),
+    ("2 layers, smeared keys", "2L-smear"),
+):
     claims(
-        Claim("results", f"| {_label} | {{}} ± {{}} | {{}} ± {{}} |", INDUCTION,
-              lambda d, v=_variant: [*stats("summary", v, "final_best_induction")(d),
-                                     *stats("summary", v, "final_repeat_loss")(d)]),
-    )  # fmt: skip
+        Claim(
+            "results",
+            f"| {_label} | {{}} ± {{}} | {{}} ± {{}} |",
+            INDUCTION,
+            lambda d, v=_variant: [
+                *stats("summary", v, "final_best_induction")(d),
+                *stats("summary", v, "final_repeat_loss")(d),
+            ],
+        ),
+    )
 claims(
-    Claim("results", "| 2 layers | {} ± {} | {} ± {} | {} / {} / {} |", INDUCTION,
-          lambda d: [*stats("summary", "2L", "final_best_induction")(d), *stats("summary", "2L", "final_repeat_loss")(d),
-                     *at("summary", "2L", "induction_step")(d)]),
-    Claim("results", "(best score {}-{} over the seeds)", INDUCTION,
-          lambda d: ranged(at("summary", "1L", "final_best_induction", "values"))(d)),
+    Claim(
+        "results",
+        "| 2 layers | {} ± {} | {} ± {} | {} / {} / {} |",
+        INDUCTION,
+        lambda d: [
+            *stats("summary", "2L", "final_best_induction")(d),
+            *stats("summary", "2L", "final_repeat_loss")(d),
+            *at("summary", "2L", "induction_step")(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "(best score {}-{} over the seeds)",
+        INDUCTION,
+        lambda d: ranged(at("summary", "1L", "final_best_induction", "values"))(d),
+    ),
     Claim("results", "{} s of CPU time (user + sys) for the 12 trainings", INDUCTION, at("cpu_seconds"), tolerance=0.5),
-)  # fmt: skip
+)
