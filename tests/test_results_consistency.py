@@ -716,3 +716,113 @@ claims(
     ),
     Claim("results", "{} s of CPU time (user + sys) for the 12 trainings", INDUCTION, at("cpu_seconds"), tolerance=0.5),
 )
+
+
+# --- the top-level README's results table ---------------------------------------------------------------------
+
+claims(
+    Claim(
+        "README",
+        "Expected Max Performance after 4 draws {} / {} / {} (N-Gram AD) against {} / {} / {} (AD) with 10 / 20 / "
+        "30 goals",
+        GOALS,
+        lambda d: [
+            setting(d, num_train_tasks=g)["expected_max_performance"][m]["mean"][3]
+            for m in ("ngram_ad", "ad")
+            for g in (10, 20, 30)
+        ],
+    ),
+    Claim(
+        "README",
+        "N-Gram AD on 500 histories {} ± {}; AD on 27x the histories {} ± {} (100 goals), {} ± {} (2048 goals)",
+        K2D_27X_10K,
+        lambda d: [
+            *scores("ngram_ad")(load(K2D_10K)),
+            *scores("ad", num_train_tasks=100)(d),
+            *scores("ad", num_train_tasks=2048)(d),
+        ],
+    ),
+    Claim("README", "AD on the same 500 histories: {} ± {}", K2D_10K, scores("ad")),
+    Claim(
+        "README",
+        "5 report seeds: {}-{} on the seen 4-20-arm sets; {} / {} / {} / {} on 20 / 30 / 40 / 50 arms; AD {}-{} "
+        "where it can act",
+        BERNOULLI,
+        lambda d: [
+            *ranged(lambda d: [v["mean"] for k, v in d["models"]["headless_ad"]["scores"].items() if "4-20" in k])(d),
+            *(d["models"]["headless_ad"]["scores"][f"uniform, {n} arms"]["mean"] for n in (20, 30, 40, 50)),
+            *ranged(lambda d: [v["mean"] for v in d["models"]["ad"]["scores"].values() if v])(d),
+        ],
+    ),
+    Claim(
+        "README",
+        "random level (one seed): contextual bandits {} to {};",
+        "headless-contextual.json",
+        ranged(lambda d: [v["normalized_score"] for m in d["models"].values() for v in m["scores"].values() if v]),
+    ),
+    Claim(
+        "README",
+        "Darkroom-125 success {}-{} (Headless-AD), {}-{} (AD), random {}-{}",
+        "headless-darkroom.json",
+        lambda d: [
+            *ranged(lambda d: [v["final_return"] for v in d["models"]["headless_ad"]["scores"].values()])(d),
+            *ranged(lambda d: [v["final_return"] for v in d["models"]["ad"]["scores"].values() if v])(d),
+            *ranged(lambda d: [v["random_final_return"] for v in d["models"]["headless_ad"]["scores"].values()])(d),
+        ],
+    ),
+    Claim(
+        "README",
+        "hidden-cue corridor (C = 4, 5 seeds): {} -> {} -> {} at k = 3 / 5 / 10",
+        MEMORY,
+        lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (3, 5, 10)],
+    ),
+    Claim(
+        "README",
+        "seeds 0-2: two layers reach an induction score of {} ± {}, forming at step {} / {} / {} after a plateau; "
+        "one layer {} ± {}, never; one layer with smeared keys {} ± {} from step {}",
+        INDUCTION,
+        lambda d: [
+            *stats("summary", "2L", "final_best_induction")(d),
+            *at("summary", "2L", "induction_step")(d),
+            *stats("summary", "1L", "final_best_induction")(d),
+            *stats("summary", "1L-smear", "final_best_induction")(d),
+            max(at("summary", "1L-smear", "induction_step")(d)),
+        ],
+    ),
+    Claim(
+        "README",
+        "with `icrl-train`'s defaults N-Gram AD reaches {} and AD {} of Q-learning's return with 10 goals (random {};",
+        DEFAULTS,
+        lambda d: [
+            scores("ngram_ad", num_train_tasks=10)(d)[0],
+            scores("ad", num_train_tasks=10)(d)[0],
+            setting(d, num_train_tasks=10)["source"]["random_score"]["mean"],
+        ],
+    ),
+    Claim("README", "Key-to-Door's AD does not fail on small data ({} ± {} on 500 histories", K2D_10K, scores("ad")),
+    Claim(
+        "README",
+        "at 2500 steps N-Gram AD leads ({} against {},",
+        K2D,
+        lambda d: [scores("ngram_ad", num_histories=500)(d)[0], scores("ad", num_histories=500)(d)[0]],
+    ),
+    Claim(
+        "README",
+        "at the training temperature it scores {} on 50 arms",
+        ABLATIONS,
+        at("ablations", "preset", "scores", "1.0", "50", "mean"),
+    ),
+    Claim(
+        "README",
+        "chosen on held-out bandits it samples at {} x tau",
+        BERNOULLI,
+        at("models", "headless_ad", "temperature"),
+    ),
+    Claim("README", "one seed, {} s of CPU) reaches", "main-job.json", at("cpu_seconds"), tolerance=0.5),
+    Claim(
+        "README",
+        "s of CPU) reaches {} of Q-learning's return on the {} held-out goals",
+        "main-job.json",
+        lambda d: [d["summary"]["fraction_of_source"], d["summary"]["num_tasks"]],
+    ),
+)
