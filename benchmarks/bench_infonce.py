@@ -49,7 +49,7 @@ from icrl_kernels._backend import triton_interpreter_enabled
 from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
 from icrl_kernels.testing import relative_rms_error
 
-from .conftest import as_params, bench_device, full_run, select_shapes
+from .conftest import as_params, bench_device, full_run, select_shapes, split_graph
 
 TAU = 0.7
 
@@ -198,11 +198,12 @@ def _check_peer(value: torch.Tensor, pred, embeds, targets, backend: str) -> Non
     assert error < 2e-2, f"{backend} disagrees with infonce_loss: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["fused", "reference", "compile", "liger"])
+@pytest.mark.parametrize("backend", ["fused", "fused+graph", "reference", "compile", "liger"])
 @pytest.mark.parametrize("shape,wrt", LOSS_CASES)
 def test_infonce_fwd_bwd(timed, benchmark, shape: Shape, wrt: str, backend: str) -> None:
     """Forward + backward of one implementation at one shape, on the benchmark device."""
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(shape, backend, device, materialises=backend in ("reference", "compile"))
     pred, embeds, targets = make_inputs(shape, device)
     pred.requires_grad_(True)
@@ -217,11 +218,11 @@ def test_infonce_fwd_bwd(timed, benchmark, shape: Shape, wrt: str, backend: str)
 
     cost = infonce_fwd_bwd_cost(shape.N, shape.D, shape.A, dtype=pred.dtype, grad_embeds=wrt == "both")
     benchmark.group = f"infonce-fwd-bwd {shape_id(shape)}-{wrt}"
-    info = {"op": "infonce_loss", "backend": backend, **shape._asdict(), "wrt": wrt, "tau": TAU}
-    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+    info = {"op": "infonce_loss", "backend": backend_name, **shape._asdict(), "wrt": wrt, "tau": TAU}
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)
 
 
-SELECT_BACKENDS = ["fused-sample", "fused-argmax", "reference", "argmax"]
+SELECT_BACKENDS = ["fused-sample", "fused-sample+graph", "fused-argmax", "reference", "argmax"]
 
 
 def select_fn(backend: str) -> Callable[..., torch.Tensor]:
@@ -239,6 +240,7 @@ def select_fn(backend: str) -> Callable[..., torch.Tensor]:
 def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
     """One action per row (no gradient), on the benchmark device."""
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(shape, backend, device, materialises=not backend.startswith("fused"))
     pred, embeds, _ = make_inputs(shape, device)
     fn = select_fn(backend)
@@ -253,6 +255,6 @@ def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
             fn(pred, embeds)
 
     benchmark.group = f"select-actions {shape_id(shape)}"
-    info = {"op": "select_actions", "backend": backend, **shape._asdict(), "tau": TAU}
+    info = {"op": "select_actions", "backend": backend_name, **shape._asdict(), "tau": TAU}
     cost = select_actions_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
-    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)

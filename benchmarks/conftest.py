@@ -106,6 +106,31 @@ def skip_unless_runnable(backend: str, device: torch.device, *, compile_here: bo
         pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
 
 
+#: The backend-name suffix of a case that replays our call from a CUDA graph (``timed(..., graphed=True)``).
+GRAPH_SUFFIX = "+graph"
+
+
+def split_graph(backend: str) -> tuple[str, bool]:
+    """``"triton+graph"`` -> ``("triton", True)``; ``"triton"`` -> ``("triton", False)``."""
+    return backend.removesuffix(GRAPH_SUFFIX), backend.endswith(GRAPH_SUFFIX)
+
+
+def graph_replay(step: Callable[[], Any], device: torch.device, warmup: int = 2) -> Callable[[], None]:
+    """``step`` captured in one CUDA graph, as a function that replays it: the device work of a call without
+    its host time (Python, argument checks, autograd bookkeeping, launches). ``warmup`` calls run first on a
+    side stream (compiles, autotuning, the allocator), as PyTorch's capture recipe does."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def bench_device() -> torch.device:
     """The device the benchmarks measure: the first CUDA device if there is one, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -284,11 +309,14 @@ def device_profile(call: Callable[[], None], calls: int = PROFILE_CALLS) -> dict
 def timed(benchmark, copy_bandwidth, matmul_peak):
     """Time ``step()`` (which must leave no pending work but CUDA kernels): the core of every benchmark.
 
-    Returns ``run(step, *, device, info, cost, dtype, warmup=1)``. ``cost`` is the op's
+    Returns ``run(step, *, device, info, cost, dtype, warmup=1, graphed=False)``. ``cost`` is the op's
     :class:`~icrl_kernels._cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
     ``cost.py``) and ``dtype`` the dtype its math runs in (which matmul peak bounds it). ``warmup``
     untimed calls first (compilation, Triton autotuning, allocator growth), then one more to size the
-    rounds to about ``ICRL_BENCH_SECONDS``.
+    rounds to about ``ICRL_BENCH_SECONDS``. ``graphed``: after the warm-up, ``step`` is captured in a CUDA graph
+    (:func:`graph_replay`) and each timed call replays it (CUDA only: skipped elsewhere); the backend of such a
+    case ends in ``+graph`` (:data:`GRAPH_SUFFIX`), and ``summarize.py`` judges rooflines on it and reports the
+    eager call minus the replay as host overhead.
 
     ``extra_info`` gets ``info``, the device and versions, ``bytes_moved`` and ``flops`` and, when timed,
     the achieved bytes/s and FLOP/s; on CUDA also the peak memory over the timed calls (inputs
@@ -307,7 +335,11 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
         cost: OpCost,
         dtype: torch.dtype | str,
         warmup: int = 1,
+        graphed: bool = False,
     ) -> None:
+        if graphed and device.type != "cuda":
+            pytest.skip("CUDA graphs need a CUDA device")
+
         def call() -> None:
             step()
             _sync(device)
@@ -325,6 +357,13 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
                 call()
         if tuned:
             benchmark.extra_info["autotune"] = tuned
+        if graphed:
+            replay = graph_replay(step, device)
+
+            def call() -> None:
+                replay()
+                _sync(device)
+
         rounds = _choose_rounds(call, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -360,7 +399,7 @@ def _recorded_autotuning(device: torch.device):
 def fwd_bwd(timed):
     """Time ``forward + backward`` of ``fn(h)`` with a fixed upstream gradient.
 
-    Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1)`` where ``fn`` maps the leaf ``h``
+    Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1, graphed=False)`` where ``fn`` maps the leaf ``h``
     (``requires_grad``) to an output of the same shape, ``info`` holds the shape parameters to record
     (``B``, ``L``, ``D`` and anything op-specific such as ``backend``), ``cost`` is the op's
     :class:`~icrl_kernels._cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
@@ -378,11 +417,12 @@ def fwd_bwd(timed):
         cost: OpCost,
         wrt: Sequence[torch.Tensor] = (),
         warmup: int = 1,
+        graphed: bool = False,
     ) -> None:
         grad_out = torch.randn_like(h)
         leaves = (h, *wrt)
         info = {**info, "shape": list(h.shape), "dtype": str(h.dtype).removeprefix("torch.")}
         timed(lambda: torch.autograd.grad(fn(h), leaves, grad_out), device=h.device, info=info, cost=cost,
-              dtype=h.dtype, warmup=warmup)  # fmt: skip
+              dtype=h.dtype, warmup=warmup, graphed=graphed)  # fmt: skip
 
     return run
