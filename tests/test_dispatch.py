@@ -403,3 +403,15 @@ def test_launches_per_call_are_pinned():
         set_output_poisoning(poisoning)
     counted = {name: (row["triton_launches"], row["torch_kernel_ops"]) for name, row in rows.items()}
     assert counted == LAUNCHES_PER_CALL, "launches per call changed (Triton, PyTorch): update the pin if they fell"
+
+
+def test_host_size_arithmetic_equals_tritons():
+    """The launchers' plain-Python ``cdiv`` / ``next_power_of_2`` (Triton's are constexpr functions, microseconds
+    a host call) give Triton's values."""
+    triton = pytest.importorskip("triton")
+    from icrl_kernels._triton import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 1000, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 127):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -73,7 +73,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
 from . import checks
 
 # The forward's per-row status codes (checks.check_row_status reads them).
@@ -475,9 +475,9 @@ def _block_a(num_actions: int, half_dot: bool, dim: int | None = None) -> int:
     (``[BLOCK_A, next_pow2(D)]``, 128 KB in bf16) fits in shared memory (227 KB on an H100; 128 actions
     x 1024 columns took 270 KB)."""
     if not half_dot:
-        return min(FMA_BLOCK_A, max(16, triton.next_power_of_2(num_actions)))
+        return min(FMA_BLOCK_A, max(16, next_power_of_2(num_actions)))
     if num_actions <= MAX_BLOCK_A or dim is None:
-        return min(MAX_BLOCK_A, max(16, triton.next_power_of_2(num_actions)))
+        return min(MAX_BLOCK_A, max(16, next_power_of_2(num_actions)))
     return max(16, min(STREAM_BLOCK_A, 65536 // _do_full(dim)))
 
 
@@ -486,17 +486,17 @@ def _block_a_embeds(num_actions: int, dim: int, half_dot: bool) -> int:
     32 K elements (128 registers a thread with 8 warps)."""
     if not half_dot:
         return FMA_BLOCK_A
-    cap = max(16, min(EMBEDS_BLOCK_A, 32768 // triton.next_power_of_2(dim)))
-    return min(cap, max(16, triton.next_power_of_2(num_actions)))
+    cap = max(16, min(EMBEDS_BLOCK_A, 32768 // next_power_of_2(dim)))
+    return min(cap, max(16, next_power_of_2(num_actions)))
 
 
 def _do_full(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, next_power_of_2(dim))
 
 
 def _column_blocks(dim: int, max_do: int, half_dot: bool) -> int:
     """Column blocks of a backward launch (grid axis 1), as the kernels' ``BLOCK_DO`` splits ``D``."""
-    return triton.cdiv(dim, min(_do_full(dim), max_do if half_dot else FMA_MAX_DO.value))
+    return cdiv(dim, min(_do_full(dim), max_do if half_dot else FMA_MAX_DO.value))
 
 
 def _layout_args(pred, embeds, mask):
@@ -527,7 +527,7 @@ def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index
     half_dot = _half_dot(pred.dtype)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_infonce_forward_kernel, grid)(
         pred, embeds, mask_t, targets, losses, lse, status,
@@ -541,7 +541,7 @@ def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index
 
 def _num_splits(rows: int, tiles: int) -> int:
     """Row splits of ``grad_embeds``: enough programs for one per SM, at least ``MIN_SPLIT_ROWS`` rows each."""
-    return max(1, min(triton.cdiv(rows, MIN_SPLIT_ROWS), TARGET_PROGRAMS // tiles))
+    return max(1, min(cdiv(rows, MIN_SPLIT_ROWS), TARGET_PROGRAMS // tiles))
 
 
 def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: float, *, want_embeds: bool = True):
@@ -562,7 +562,7 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
 
     def pred_grid(meta):
         columns = 1 if single_tile else _column_blocks(dim, meta["MAX_DO"], half_dot)
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups, columns)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups, columns)
 
     launch(_infonce_grad_pred_kernel, pred_grid)(
         pred, embeds, mask_t, targets, lse, row_weights, grad_pred, *common, tau, mask_cols, size_bucket(rows),
@@ -573,9 +573,9 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
         return grad_pred, embeds.new_empty(0)
 
     block_a = _block_a_embeds(num_actions, dim, half_dot)
-    action_blocks = triton.cdiv(num_actions, block_a)
+    action_blocks = cdiv(num_actions, block_a)
     num_splits = _num_splits(rows, action_blocks * groups)
-    rows_per_split = triton.cdiv(rows, num_splits)
+    rows_per_split = cdiv(rows, num_splits)
     if num_splits == 1:
         out = empty_output(embeds.shape, dtype=embeds.dtype, device=pred.device)
     else:
@@ -608,7 +608,7 @@ def select_actions_triton(pred, embeds, mask, tau: float, sample: bool, seed: to
     status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_select_actions_kernel, grid)(
         pred, embeds, mask_t, seed, actions, status,

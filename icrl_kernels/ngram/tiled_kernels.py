@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, size_bucket
 
 # The first config of each list is the one the interpreter runs and a sensible default everywhere.
 # Chosen from offline sm_90 compiles at n = 1..4 (registers per thread; tests/test_ngram_api.py): with
@@ -219,7 +219,7 @@ def ngram_tiled_forward_triton(h: torch.Tensor, ids: torch.Tensor, n: int) -> tu
     count = empty_output((batch, length), dtype=torch.int32, device=h.device)
 
     def grid(meta):
-        return (triton.cdiv(length, meta["BLOCK_M"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
+        return (cdiv(length, meta["BLOCK_M"]), batch, cdiv(dim, meta["BLOCK_D"]))
 
     launch(_ngram_tiled_forward_kernel, grid)(
         h, ids, out, count,
@@ -238,7 +238,7 @@ def ngram_tiled_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, count
     grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
 
     def grid(meta):
-        return (triton.cdiv(length, meta["BLOCK_N"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
+        return (cdiv(length, meta["BLOCK_N"]), batch, cdiv(dim, meta["BLOCK_D"]))
 
     launch(_ngram_tiled_backward_kernel, grid)(
         grad_out, ids, count.contiguous(), grad_h,
