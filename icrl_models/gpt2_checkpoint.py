@@ -142,7 +142,7 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
     return module
 
 
-#: Model attributes of which GPT-2 holds only the first rows: a gated MoA layer's fused projection is
+#: Model attributes of which GPT-2 holds only the first rows: a gated MoA layer's projection weight is
 #: ``[q | k | v | gate]`` and GPT-2's ``c_attn`` is ``[q | k | v]`` (value: rows in units of ``n_embd``).
 _GPT2_ROWS = {"attn.qkv.weight": 3, "attn.qkv.bias": 3}
 
