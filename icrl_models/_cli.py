@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 
+from icrl_kernels._validation import check_device
+
 #: Exceptions reported as one line with exit status 2 instead of a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
@@ -117,13 +119,10 @@ def resolve_device(name: str, *, local_rank: int = 0, name_of: str = "device") -
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{name_of} {name!r} asked for CUDA, but CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise UsageError(f"{name_of} {name!r} does not exist: this machine has {count} CUDA device(s)")
-    elif device.type not in ("cpu",):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return device
+    try:
+        return check_device(device, name_of)  # CUDA present, the index in range
+    except ValueError as error:
+        raise UsageError(str(error)) from None

@@ -45,10 +45,12 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from icrl_kernels._validation import check_device
+
 from ._checks import check_int, check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
-from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .cuda_graphs import StepRunner, eager_optimizer_state, pinned, prepare_capturable, set_learning_rate
 from .data import (
@@ -286,7 +288,9 @@ def run_identity(config: TrainConfig) -> dict:
 
 
 def load_trained(config: TrainConfig, device: str | torch.device = "cpu"):
-    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories."""
+    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories
+    (``device``: where the model goes; it must exist on this machine)."""
+    device = check_device(device)
     run_dir = Path(config.out_dir)
     histories = load_histories(config.data if config.data is not None else run_dir / "train.icrl")
     model = config.build_model(histories)
@@ -410,13 +414,24 @@ def _train(config: TrainConfig) -> dict:
     identity = run_identity(config)
     if checkpoint_path.exists():
         payload = load_checkpoint(checkpoint_path, expect_config=identity)
+        step = payload["step"]
+        if step > config.steps:
+            raise CheckpointError(f"{checkpoint_path}: field 'step' is {step}, past the run's {config.steps} steps")
+        numpy_states = checkpoint_field(payload, checkpoint_path, "rng", "numpy", kind=list)
+        if len(numpy_states) <= ddp.rank:  # one state per process of the run that saved it
+            raise CheckpointError(
+                f"{checkpoint_path}: field ['rng']['numpy'] holds {len(numpy_states)} states, none for rank {ddp.rank}"
+            )
+        try:
+            rng.bit_generator.state = numpy_states[ddp.rank]
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"{checkpoint_path}: field ['rng']['numpy'] is not a numpy PCG64 state") from None
+        torch_state = checkpoint_field(payload, checkpoint_path, "rng", "torch", kind=torch.Tensor)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
-        rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
-        torch.set_rng_state(payload["rng"]["torch"])
+        torch.set_rng_state(torch_state)
         if "cuda" in payload["rng"] and ddp.device.type == "cuda":  # Headless-AD's maps, dropout on the GPU
             torch.cuda.set_rng_state(payload["rng"]["cuda"], ddp.device)
-        step = int(payload["step"])
     metrics_path = run_dir / "metrics.jsonl"
     if ddp.is_main:
         # Rows after the checkpoint's step come from a run killed before its next checkpoint: this run

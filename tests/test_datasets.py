@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import struct
 import zlib
 
@@ -368,8 +369,45 @@ def test_missing_array(saved):
 
 def test_malformed_array_entry(saved):
     _rewrite_header(saved, lambda h: h["arrays"]["actions"].pop("dtype"))
-    with pytest.raises(DatasetError, match="header entry of array 'actions' is malformed"):
+    with pytest.raises(DatasetError, match=r"header field 'arrays'\['actions'\] lacks \['dtype'\]"):
         load_histories(saved)
+
+
+def _set_entry(array: str, key: str, value):
+    return lambda header: header["arrays"][array].__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda h: h.__setitem__("arrays", [1, 2]), "'arrays'"),
+        (lambda h: h.__setitem__("arrays", "actions"), "'arrays'"),
+        (lambda h: h.__setitem__("metadata", [1]), "'metadata'"),
+        (lambda h: h.__setitem__("metadata", None), "'metadata'"),
+        (lambda h: h["arrays"].__setitem__("actions", [1]), "'arrays'['actions']"),
+        (_set_entry("actions", "dtype", 5), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "dtype", "zz"), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "dtype", "|O"), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "shape", "ab"), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "shape", [-3, -5]), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "shape", [3.5, 5]), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "offset", -64), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", 64.5), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", "64"), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", True), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "nbytes", -1), "'arrays'['actions']['nbytes']"),
+        (_set_entry("actions", "crc32", "x"), "'arrays'['actions']['crc32']"),
+        (_set_entry("actions", "crc32", 2**32), "'arrays'['actions']['crc32']"),
+    ],
+)
+@pytest.mark.parametrize("verify", [True, False])
+def test_malformed_header_field_is_named(saved, mutate, field, verify):
+    """A header with a valid CRC but a field of the wrong kind (a list where an object belongs, a float or
+    bool offset, a negative shape) raises DatasetError naming the field, with or without verification,
+    not an AttributeError or a silently truncated int."""
+    _rewrite_header(saved, mutate)
+    with pytest.raises(DatasetError, match=re.escape(f"header field {field}")):
+        load_histories(saved, verify=verify)
 
 
 def test_array_offset_past_end(saved):

@@ -110,7 +110,45 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
         raise DatasetError(f"{path} has a corrupt header: {error}") from None
     if not isinstance(header, dict) or not {"metadata", "arrays"} <= set(header):
         raise DatasetError(f"{path} has a header without 'metadata' and 'arrays'")
+    for field, what in (("metadata", "a dict (a JSON object)"), ("arrays", "a dict (array name -> entry)")):
+        if not isinstance(header[field], dict):
+            raise DatasetError(f"{path}: header field {field!r} must be {what}, got {type(header[field]).__name__}")
+    for name, entry in header["arrays"].items():
+        _check_array_entry(path, name, entry)
     return header, _aligned(len(MAGIC) + _PREFIX.size + header_size)
+
+
+#: The fields of one array's header entry and what each must be.
+_ENTRY_FIELDS = ("dtype", "shape", "offset", "nbytes", "crc32")
+
+
+def _check_array_entry(path: Path, name: str, entry: Any) -> None:
+    """Raise :class:`DatasetError` naming the field unless ``entry`` is a well-formed array entry: a numpy
+    dtype string of a plain (non-object) type, a shape of ints >= 0, an offset and a byte count >= 0, a
+    CRC-32 in ``[0, 2^32)``; JSON bools and floats are not ints (``int()`` would quietly accept them)."""
+    field = f"header field 'arrays'[{name!r}]"
+    if not isinstance(entry, dict):
+        raise DatasetError(f"{path}: {field} must be a dict with {list(_ENTRY_FIELDS)}, got {type(entry).__name__}")
+    missing = [key for key in _ENTRY_FIELDS if key not in entry]
+    if missing:
+        raise DatasetError(f"{path}: {field} lacks {missing}")
+
+    def is_count(value: Any, high: int | None = None) -> bool:
+        return type(value) is int and value >= 0 and (high is None or value < high)
+
+    try:
+        dtype = np.dtype(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise DatasetError(f"{path}: {field}['dtype'] must name a numpy dtype such as '<i8', got {entry['dtype']!r}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(is_count(size) for size in shape):
+        raise DatasetError(f"{path}: {field}['shape'] must be a list of ints >= 0, got {shape!r}")
+    for key, high in (("offset", None), ("nbytes", None), ("crc32", 2**32)):
+        if not is_count(entry[key], high):
+            bound = "in [0, 2^32)" if high else ">= 0"
+            raise DatasetError(f"{path}: {field}[{key!r}] must be an int {bound}, got {entry[key]!r}")
 
 
 def load_histories(
@@ -133,12 +171,8 @@ def load_histories(
     header, data_start = read_header(path)
     size = path.stat().st_size
     arrays: dict[str, np.ndarray] = {}
-    for name, entry in header["arrays"].items():
-        try:
-            dtype, shape = np.dtype(entry["dtype"]), tuple(int(v) for v in entry["shape"])
-            offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise DatasetError(f"{path}: header entry of array {name!r} is malformed ({error})") from None
+    for name, entry in header["arrays"].items():  # each entry checked by read_header
+        dtype, shape, offset, nbytes = np.dtype(entry["dtype"]), tuple(entry["shape"]), entry["offset"], entry["nbytes"]
         if dtype.itemsize * int(np.prod(shape)) != nbytes:
             raise DatasetError(f"{path}: array {name!r} declares {nbytes} bytes for shape {shape} of {dtype}")
         end = data_start + offset + nbytes
@@ -150,7 +184,7 @@ def load_histories(
             array = np.memmap(path, dtype=dtype, mode="r", offset=data_start + offset, shape=shape)
         else:
             array = np.fromfile(path, dtype=dtype, count=int(np.prod(shape)), offset=data_start + offset).reshape(shape)
-        if verify and _crc32(array) != entry.get("crc32"):
+        if verify and _crc32(array) != entry["crc32"]:
             raise DatasetError(f"{path}: array {name!r} fails its checksum (the file is corrupt)")
         arrays[name] = array
 

@@ -183,7 +183,9 @@ def machine_description(device: Any = None) -> str:
     E.g. ``"AMD EPYC 7B13 (2 cores); torch 2.13.0+cpu; Python 3.11.9"``."""
     import torch
 
-    device = torch.device(device) if device is not None else None
+    from icrl_kernels._validation import check_device
+
+    device = check_device(device) if device is not None else None
     use_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     if use_cuda:
         hardware = f"GPU {torch.cuda.get_device_name(device)}"

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from .._checks import check_int, check_training_fields
 from .._cli import command_line, resolve_device
-from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
 from ..cuda_graphs import prepare_capturable, set_learning_rate
 from ..function_classes import (
@@ -210,12 +210,14 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     first_step = 0
     if path.exists():
         payload = load_checkpoint(path, expect_config=identity)
+        prompts_state = checkpoint_field(payload, path, "rng", "prompts", kind=torch.Tensor)
+        history = checkpoint_field(payload, path, "history", kind=dict)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         if graphed:
             prepare_capturable(optimizer)  # load_state_dict restores the saved flags, lr and step devices
-        generator.set_state(payload["rng"]["prompts"])
-        history, first_step = payload["history"], payload["step"]
+        generator.set_state(prompts_state)
+        first_step = payload["step"]
     start = time.perf_counter() - history["wall_s"]
     label = name if looped else f"unlooped-{config.unlooped_layers}L"
     progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
