@@ -6,6 +6,9 @@ returns 2, as ``argparse``'s ``parser.error`` does for a malformed command line.
 and keeps its traceback, except a :class:`ReportedFailure` (failed sweep trials, whose tracebacks are in their
 logs): one line, exit status 1. ``ICRL_TRACEBACK=1`` in the environment shows the traceback of both too.
 
+A write the machine refuses (a full disk, a read-only filesystem: :data:`WRITE_REFUSED_ERRNOS`, and
+``PermissionError``) is one line with exit status 2 too, naming the file.
+
 The split follows the library's convention: every check of a caller's input raises ``ValueError``
 (:class:`~icrl_models.data.DatasetError` and :class:`~icrl_models.checkpoint.CheckpointError` are
 subclasses), and a missing path raises ``FileNotFoundError``. A ``TypeError`` means the library was
@@ -15,6 +18,7 @@ called wrongly, so it is a bug at the command line (argparse has already convert
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import sys
@@ -33,6 +37,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     NotADirectoryError,
     PermissionError,
 )
+#: ``OSError`` numbers of a write that the machine refused: a full disk or quota, a read-only filesystem, a
+#: file too large. Reported like user errors (one line, exit status 2): the user frees space or picks another
+#: folder; the files are written atomically (:mod:`icrl_models.files`), so nothing was left half-written.
+#: (``EACCES``/``EPERM`` are ``PermissionError``, a user error already.)
+WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -68,6 +77,11 @@ def command_line(prog: str) -> Callable[[Callable[..., int | None]], Callable[..
                 status = main(argv)
             except USER_ERRORS as error:
                 if os.environ.get("ICRL_TRACEBACK"):
+                    raise
+                print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+                return EXIT_USAGE
+            except OSError as error:
+                if error.errno not in WRITE_REFUSED_ERRNOS or os.environ.get("ICRL_TRACEBACK"):
                     raise
                 print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
                 return EXIT_USAGE

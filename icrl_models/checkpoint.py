@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .files import atomic_open
 
 CHECKPOINT_VERSION = 1
 REQUIRED_KEYS = ("version", "step", "config", "model", "optimizer", "rng")
@@ -44,8 +45,8 @@ class UncheckedCheckpointWarning(UserWarning):
 
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``payload`` (see :data:`REQUIRED_KEYS`) to ``path`` atomically with a SHA-256 digest: a
-    temporary file in the same folder, fsync, then rename, so a kill mid-write leaves the previous
-    checkpoint intact."""
+    temporary file in the same folder, fsync, then rename (:func:`~icrl_models.files.atomic_open`), so a
+    kill or a full disk mid-write leaves the previous checkpoint intact."""
     if not isinstance(payload, dict):
         raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
     path = Path(path)
@@ -57,18 +58,9 @@ def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getbuffer()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + hashlib.sha256(data).digest())
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as file:
+        file.write(MAGIC + hashlib.sha256(data).digest())
+        file.write(data)
     return path
 
 

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from icrl_kernels import LoopedBlock
+
+if TYPE_CHECKING:
+    from .nonfinite import NonFiniteGuard
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -106,6 +110,7 @@ class GraphedTrainStep:
         example_inputs: Sequence[torch.Tensor],
         *,
         warmup_steps: int = 3,
+        extra_state: Sequence[torch.Tensor] = (),
     ) -> None:
         _check_adam(optimizer)
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
@@ -121,7 +126,7 @@ class GraphedTrainStep:
         device = self.static_inputs[0].device
         # The warm-up runs real optimiser steps on the example batch; undo them afterwards so that capturing
         # does not change training (the capture itself runs nothing).
-        saved = _snapshot(model, optimizer)
+        saved = _snapshot(model, optimizer, extra_state)
         with _no_loop_graphs(model):
             side = torch.cuda.Stream(device=device)
             side.wait_stream(torch.cuda.current_stream(device))
@@ -154,6 +159,7 @@ def capture_train_step(
     example_inputs: Sequence[torch.Tensor],
     *,
     warmup_steps: int = 3,
+    extra_state: Sequence[torch.Tensor] = (),
 ) -> GraphedTrainStep:
     """Capture ``step(*inputs) -> tensor`` (forward, backward and ``optimizer.step()``) in a CUDA graph for
     inputs shaped like ``example_inputs`` (CUDA tensors).
@@ -161,9 +167,10 @@ def capture_train_step(
     ``step`` must read no device value on the host and draw random numbers only from the default CUDA
     generator (each replay then draws fresh ones). Capturing runs ``warmup_steps`` steps on the example
     inputs (Triton compiles and autotunes, cuBLAS workspaces, the optimiser's state) and then restores the
-    parameters, buffers and optimiser state, so it leaves training unchanged.
+    parameters, buffers and optimiser state, and the device tensors ``extra_state`` that ``step`` updates in
+    place (a :class:`~icrl_models.nonfinite.NonFiniteGuard`'s counters), so it leaves training unchanged.
     """
-    return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps)
+    return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps, extra_state=extra_state)
 
 
 def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -186,7 +193,9 @@ class StepRunner:
     names and shapes. ``step`` gets the batch on ``device`` and must return a device tensor (the loss, or
     a few statistics), read on the host only when the caller asks.
 
-    A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`).
+    A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`). With ``guard``
+    (a :class:`~icrl_models.nonfinite.NonFiniteGuard` of this model and optimiser) every step is watched for a
+    non-finite loss or gradient norm, inside the graph too.
     """
 
     def __init__(
@@ -197,8 +206,11 @@ class StepRunner:
         device: torch.device,
         *,
         cuda_graph: bool = False,
+        guard: NonFiniteGuard | None = None,
     ) -> None:
-        self.step, self.model, self.optimizer, self.device = step, model, optimizer, device
+        self.step = guard.watch(step) if guard is not None else step
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.extra_state = guard.state_tensors() if guard is not None else []
         self.graphed = bool(cuda_graph) and device.type == "cuda"
         self.captured: GraphedTrainStep | None = None
         self.names: tuple[str, ...] = ()
@@ -214,7 +226,9 @@ class StepRunner:
 
             example = list(to_device(batch, self.device).values())
             try:
-                self.captured = capture_train_step(named_step, self.model, self.optimizer, example)
+                self.captured = capture_train_step(
+                    named_step, self.model, self.optimizer, example, extra_state=self.extra_state
+                )
             except RuntimeError as error:  # an op that cannot be captured: a bug of ours, with its traceback
                 raise RuntimeError(
                     f"cuda_graph: capturing the training step failed ({error}); train without the CUDA graph "
@@ -240,13 +254,15 @@ def _no_loop_graphs(model: nn.Module):
             block.cuda_graph = True
 
 
-def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Copies of the model's state (parameters and persistent buffers, by name) and the optimiser's state.
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, extra_state: Sequence[torch.Tensor] = ()) -> dict:
+    """Copies of the model's state (parameters and persistent buffers, by name), the optimiser's state and the
+    tensors ``extra_state`` (restored in place by :func:`_restore`).
 
     Non-persistent buffers are not state (no checkpoint holds them) and are left out: a step may replace
     them, e.g. Headless-AD's action map, which the step points at a static input of the graph."""
     with torch.no_grad():
         return {
+            "extra": [(tensor, tensor.detach().clone()) for tensor in extra_state],
             "model": {name: t.detach().clone() for name, t in model.state_dict(keep_vars=True).items()},
             "state": {
                 (id(p), name): value.detach().clone()
@@ -268,4 +284,6 @@ def _restore(saved: dict, model: nn.Module, optimizer: torch.optim.Optimizer) ->
                     old = saved["state"].get((id(p), name))
                     # State created by the warm-up: Adam's fresh state (step, moments) is all zeros.
                     value.copy_(old) if old is not None else value.zero_()
+        for tensor, value in saved["extra"]:
+            tensor.copy_(value)
     optimizer.zero_grad(set_to_none=True)

@@ -65,9 +65,11 @@ from .data import (
 from .data.generate import BANDITS, ENV_NAMES, build_env
 from .envs.splits import grid_task_split
 from .evaluate import EvalReport, evaluate
+from .files import JsonLines, read_json_lines, write_json, write_text
 from .generators import make_agent
 from .models.ad import ADConfig, ADModel, action_loss, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
+from .nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .runtime import TRACKERS, Tracker, check_trackers, maybe_compile, torch_threads
 
 MODEL_KINDS = ("ngram_ad", "ad", "headless_ad")
@@ -152,6 +154,7 @@ class TrainConfig:
     seed: int = 0
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
     progress: bool = True
+    nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
     # -- speed and tracking (not part of the run's identity: a run may resume with other values) -----
     threads: int = dataclasses.field(
         default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
@@ -398,7 +401,7 @@ def _train(config: TrainConfig) -> dict:
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        write_json(run_dir / "config.json", dataclasses.asdict(config))
     ddp.barrier()
     start_time = time.perf_counter()
     histories = load_or_generate(config, run_dir, ddp)
@@ -448,6 +451,10 @@ def _train(config: TrainConfig) -> dict:
 
     if graphed:  # the learning rate and step counters move to the device, where the graph reads them
         prepare_capturable(optimizer)
+    # Watches every step on the device; read below only where the loop reads the host anyway.
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=step)
+    if checkpoint_path.exists():
+        guard.saved(checkpoint_path, step)
     trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
     trained = maybe_compile(trained, config.compile)
     tracker = (
@@ -457,7 +464,7 @@ def _train(config: TrainConfig) -> dict:
     )  # fmt: skip
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
-    metrics = open(metrics_path, "a") if ddp.is_main else None
+    metrics = JsonLines(metrics_path) if ddp.is_main else None
     show = config.progress and ddp.is_main
     bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
     if ddp.is_main and step == 0:
@@ -467,7 +474,7 @@ def _train(config: TrainConfig) -> dict:
     last_log = (step, time.perf_counter())
     run_step = StepRunner(
         lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
-        cuda_graph=graphed,
+        cuda_graph=graphed, guard=guard,
     )  # fmt: skip
     try:
         while step < config.steps:
@@ -478,21 +485,27 @@ def _train(config: TrainConfig) -> dict:
             bar.update(1)
             if metrics is not None and (step % config.log_every == 0 or step == config.steps):
                 now = time.perf_counter()
-                loss, grad_norm = stats.tolist()  # the one host read, every log_every steps
+                skipped = guard.check()  # raises if the run diverged ("stop"), before a row of NaN is logged
+                loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
                 record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
                           "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
                           "seconds": now - start_time}  # fmt: skip
+                if config.nonfinite == "skip":
+                    record["skipped_steps"] = skipped
                 last_log = (step, now)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write(record)
                 tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
                 bar.set_postfix(loss=f"{record['loss']:.3f}")
             if step % config.checkpoint_every == 0 or step == config.steps:
+                guard.check()  # every rank: never a checkpoint of a diverged model over the last good one
+                if metrics is not None:
+                    metrics.sync()  # the rows up to this step are on disk before the checkpoint refers to them
                 _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
+                guard.saved(checkpoint_path, step)
             if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
+                guard.check()
                 report = run_evaluation(model, config, histories, seed=config.seed + 1)
-                metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
-                metrics.flush()
+                metrics.write({"step": step, "eval": report.summary})
                 tracker.log(step, _eval_scalars(report.summary))
                 model.train()
         bar.close()
@@ -502,7 +515,7 @@ def _train(config: TrainConfig) -> dict:
             report = run_evaluation(model, config, histories, seed=config.seed + 1)
             json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
             summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-            metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
+            metrics.write({"step": step, "eval": summary})
             tracker.log(step, _eval_scalars(summary))
             print(report.table())
             print(
@@ -528,15 +541,7 @@ def _eval_scalars(summary: dict) -> dict:
 
 def _read_metrics(path: Path) -> list[dict]:
     """The rows of ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_json_lines(path)
 
 
 def _trim_metrics(path: Path, step: int) -> list[dict]:
@@ -544,9 +549,7 @@ def _trim_metrics(path: Path, step: int) -> list[dict]:
     records = _read_metrics(path)
     kept = [record for record in records if int(record.get("step", 0)) <= step]
     if len(kept) != len(records) or (path.exists() and path.read_text().count("\n") != len(records)):
-        temporary = path.with_suffix(".jsonl.partial")
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        os.replace(temporary, path)
+        write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
     return kept
 
 

@@ -5,6 +5,7 @@ errors, episode returns, training windows, generation and the icrl-data command 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import re
@@ -159,35 +160,17 @@ def test_failed_replace_leaves_nothing(datasets, tmp_path, monkeypatch, existing
         assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("failing_write", [1, 2, 5])
-def test_failed_write_midway_leaves_nothing(datasets, tmp_path, monkeypatch, failing_write):
-    real_fdopen = os.fdopen
-
-    class FailingFile:
-        def __init__(self, file):
-            self.file, self.writes = file, 0
-
-        def __enter__(self):
-            self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def write(self, data):
-            self.writes += 1
-            if self.writes == failing_write:
-                self.file.write(bytes(data)[: len(data) // 2])  # half written, then the disk fills up
-                raise OSError("disk full")
-            return self.file.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    monkeypatch.setattr(storage.os, "fdopen", lambda *a, **k: FailingFile(real_fdopen(*a, **k)))
-    with pytest.raises(OSError, match="disk full"):
-        save_histories(datasets["dark_room"], tmp_path / "d.icrl")
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize("budget", [0, 30, 1000, 2000])
+def test_failed_write_midway_leaves_nothing(datasets, tmp_path, fill_disk, budget):
+    """The disk fills up after ``budget`` bytes (in the header, in an array, near the end): ENOSPC naming the
+    file, and no file, partial or whole, is left behind."""
+    target = tmp_path / "d.icrl"
+    assert save_histories(datasets["dark_room"], tmp_path / "whole" / "d.icrl").stat().st_size > 2000
+    fill_disk(tmp_path, budget)
+    with pytest.raises(OSError, match=re.escape(f"No space left on device: '{target}'")) as info:
+        save_histories(datasets["dark_room"], target)
+    assert info.value.errno == errno.ENOSPC
+    assert [p.name for p in tmp_path.iterdir()] == ["whole"]
 
 
 def test_interrupt_during_write_cleans_up(datasets, tmp_path, monkeypatch):

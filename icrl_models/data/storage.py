@@ -8,11 +8,12 @@ Layout (little-endian)::
     header                 UTF-8 JSON: {"metadata": {...}, "arrays": {name: {dtype, shape, offset, nbytes, crc32}}}
     array bytes            each array C-contiguous at its offset (64-byte aligned), in header order
 
-Files are written atomically (a temporary file in the same folder, fsync, then rename), so an
-interrupted run never leaves a file that looks complete. Loading checks the magic, the header, the
-file size against the arrays it declares, the header's and every array's CRC-32, and then the contents
-(:meth:`LearningHistories.validate`); any problem raises :class:`DatasetError` naming it. Arrays are
-memory-mapped by default, so a dataset larger than memory can be sampled without reading it whole.
+Files are written atomically (a temporary file in the same folder, fsync, then rename:
+:mod:`icrl_models.files`), so an interrupted run never leaves a file that looks complete. Loading checks
+the magic, the header, the file size against the arrays it declares, the header's and every array's
+CRC-32, and then the contents (:meth:`LearningHistories.validate`); any problem raises
+:class:`DatasetError` naming it. Arrays are memory-mapped by default, so a dataset larger than memory can
+be sampled without reading it whole.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..files import atomic_open
 from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
 
 MAGIC = b"ICRLHIST"
@@ -67,24 +68,12 @@ def save_histories(histories: LearningHistories, path: str | os.PathLike) -> Pat
     header = json.dumps({"metadata": histories.metadata, "arrays": table}).encode()
     data_start = _aligned(len(MAGIC) + _PREFIX.size + len(header))
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + _PREFIX.pack(len(header), zlib.crc32(header), 0) + header)
-            for name, array in arrays.items():
-                file.seek(data_start + table[name]["offset"])
-                file.write(array.reshape(-1).view(np.uint8).data)
-            file.truncate(data_start + offset)
-            file.flush()
-            os.fsync(file.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as file:
+        file.write(MAGIC + _PREFIX.pack(len(header), zlib.crc32(header), 0) + header)
+        for name, array in arrays.items():
+            file.seek(data_start + table[name]["offset"])
+            file.write(array.reshape(-1).view(np.uint8).data)
+        file.truncate(data_start + offset)
     return path
 
 
