@@ -99,6 +99,17 @@ def save_figure(figure: Any, path: str | os.PathLike, **kwargs: Any) -> Path:
     return path
 
 
+def remove_partial_files(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that writes killed midway left in ``folder`` (``.<name>.*.partial``; the
+    targets themselves are whole); returns them. Only for a folder no other process is writing into."""
+    removed = []
+    for path in Path(folder).glob(".*.partial"):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 class JsonLines:
     """An append-only JSON-lines file (``metrics.jsonl``): :meth:`write` appends one row; :meth:`sync` forces
     every row written so far to disk. Rows are never rewritten in place; a write killed midway leaves at most

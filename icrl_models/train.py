@@ -65,7 +65,7 @@ from .data import (
 from .data.generate import BANDITS, ENV_NAMES, build_env
 from .envs.splits import grid_task_split
 from .evaluate import EvalReport, evaluate
-from .files import JsonLines, read_json_lines, write_json, write_text
+from .files import JsonLines, read_json_lines, remove_partial_files, write_json, write_text
 from .generators import make_agent
 from .models.ad import ADConfig, ADModel, action_loss, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
@@ -401,6 +401,7 @@ def _train(config: TrainConfig) -> dict:
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial_files(run_dir)  # of writes a killed run left unfinished
         write_json(run_dir / "config.json", dataclasses.asdict(config))
     ddp.barrier()
     start_time = time.perf_counter()
