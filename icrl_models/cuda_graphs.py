@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from icrl_kernels import LoopedBlock
+from icrl_kernels._validation import check_device
 
 if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard
@@ -173,16 +174,24 @@ def capture_train_step(
     return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps, extra_state=extra_state)
 
 
+def _device(device: torch.device | str | int) -> torch.device:
+    """``device`` as a ``torch.device``; a name or index is checked (``check_device``), a ``torch.device`` passed
+    as it is (these run every step: no per-step cost for the trainers, which resolve their device once)."""
+    return device if isinstance(device, torch.device) else check_device(device)
+
+
 def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A CPU batch in pinned memory when ``device`` is CUDA (as it is otherwise): its copy to the device
     then runs asynchronously, where CUDA documents that a copy from pageable memory may make the host wait
     for the stream."""
-    if device.type != "cuda":
+    if _device(device).type != "cuda":
         return dict(batch)
     return {name: value.pin_memory() if value.device.type == "cpu" else value for name, value in batch.items()}
 
 
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's tensors copied to ``device`` (asynchronously where the source is pinned)."""
+    device = _device(device)
     return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
 
 
@@ -209,9 +218,9 @@ class StepRunner:
         guard: NonFiniteGuard | None = None,
     ) -> None:
         self.step = guard.watch(step) if guard is not None else step
-        self.model, self.optimizer, self.device = model, optimizer, device
+        self.model, self.optimizer, self.device = model, optimizer, check_device(device)
         self.extra_state = guard.state_tensors() if guard is not None else []
-        self.graphed = bool(cuda_graph) and device.type == "cuda"
+        self.graphed = bool(cuda_graph) and self.device.type == "cuda"
         self.captured: GraphedTrainStep | None = None
         self.names: tuple[str, ...] = ()
 

@@ -13,6 +13,11 @@ rewrites none), optionally to TensorBoard / Weights & Biases (``--track``), and 
 out in context on held-out tasks and write ``eval.json`` / ``eval.png``, printing a table. Rerunning
 a finished run prints its stored result without training or evaluating again.
 
+Faults: a step whose loss or gradient norm is inf or NaN ends the run with one line naming the step, the
+values and the last good checkpoint, which stays intact (``--nonfinite skip`` undoes such steps instead);
+every file is written atomically, so a killed run resumes from its last complete checkpoint, and a full
+disk is one line with exit status 2 (docs/models.md, "Faults").
+
 Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
 shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
 ``torch.compile``, and on CUDA ``--cuda-graph`` captures each training step (forward, backward, gradient
@@ -484,9 +489,11 @@ def _train(config: TrainConfig) -> dict:
             stats = run_step(_next_batch(windows, rng, config, model, ddp.device))
             step += 1
             bar.update(1)
-            if metrics is not None and (step % config.log_every == 0 or step == config.steps):
+            log_now = step % config.log_every == 0 or step == config.steps
+            # Every rank (their gradients are all-reduced): raises if the run diverged ("stop"), before a NaN row.
+            skipped = guard.check() if log_now else 0
+            if metrics is not None and log_now:
                 now = time.perf_counter()
-                skipped = guard.check()  # raises if the run diverged ("stop"), before a row of NaN is logged
                 loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
                 record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
                           "steps_per_second": (step - last_log[0]) / (now - last_log[1]),

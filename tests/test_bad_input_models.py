@@ -369,8 +369,21 @@ def test_trajectory_windows_check_their_starts(small_histories):
         ),
         lambda device: __import__("icrl_models.experiments.harness", fromlist=["x"]).machine_description(device),
         lambda device: __import__("icrl_models.train", fromlist=["x"]).load_trained(TrainConfig(), device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).to_device({"x": torch.ones(2)}, device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).pinned({"x": torch.ones(2)}, device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).StepRunner(
+            lambda batch: batch["x"].sum(), torch.nn.Linear(2, 2), None, device
+        ),
     ],
-    ids=["sample_prompts", "uniform_causal_pattern", "machine_description", "load_trained"],
+    ids=[
+        "sample_prompts",
+        "uniform_causal_pattern",
+        "machine_description",
+        "load_trained",
+        "to_device",
+        "pinned",
+        "StepRunner",
+    ],  # fmt: skip
 )
 def test_device_arguments_are_checked_and_named(call):
     """Every public icrl_models function that takes a device checks it first: a misspelt name, another
