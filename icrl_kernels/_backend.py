@@ -17,6 +17,8 @@ from typing import Literal
 
 import torch
 
+from ._validation import check_device
+
 Backend = Literal["auto", "triton", "eager", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "eager", "reference")
 
@@ -50,14 +52,17 @@ def resolve_backend(backend: str, device: torch.device, *, has_eager: bool = Tru
 
     Args:
         backend: one of ``"auto"``, ``"triton"``, ``"eager"``, ``"reference"``.
-        device: the device of the op's inputs.
+        device: the device of the op's inputs (a ``torch.device``; a name such as ``"cuda"`` is checked).
         has_eager: whether the op has an eager fast path; without one ``"eager"`` means the reference.
 
     Raises:
-        ValueError: unknown backend, or ``"triton"`` where Triton cannot run.
+        ValueError: unknown backend, a device name that names no device here, or ``"triton"`` where
+            Triton cannot run. TypeError: a device that is not a ``torch.device``, ``str`` or ``int``.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(device, torch.device):  # a name or index: checked (the ops pass a tensor's device)
+        device = check_device(device)
     if backend == "auto":
         if triton_runs_on(device):
             return "triton"

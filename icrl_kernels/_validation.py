@@ -63,6 +63,64 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
+def check_device(value: object, name: str = "device") -> torch.device:
+    """A device argument (a ``torch.device``, a string such as ``"cpu"`` or ``"cuda:1"``, or a CUDA index)
+    as the ``torch.device`` it names, checked to exist on this machine; return it.
+
+    Raises:
+        TypeError: not a ``torch.device``, ``str`` or ``int``.
+        ValueError: a string that names no device type (torch's own error lists every type torch knows),
+            CUDA asked for where CUDA is not available, or a CUDA index past the last device.
+    """
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"{name} must be a torch.device, str or int, got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # e.g. "gpu"
+        raise ValueError(f"{name} must name a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {str(device)!r} asked for CUDA, but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{name} {str(device)!r} does not exist: this machine has {count} CUDA device(s)")
+    return device
+
+
+def row_mask(rows: object, name: str, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The rows a caller selects, as a bool mask ``[num_rows]`` on ``device``.
+
+    ``rows``: a bool mask ``[num_rows]``, or integer row indices in ``[0, num_rows)`` (a 1-D tensor, or a
+    list/tuple of ints). Indices are scattered into the mask (boolean indexing would size its result
+    from the values: a host sync); their range is a value check (``check_values``: no host read on GPU).
+
+    Raises:
+        TypeError: not a tensor, list or tuple; a dtype that is neither bool nor integer.
+        ValueError: a mask of another length, indices that are not 1-D or lie outside ``[0, num_rows)``.
+    """
+    if isinstance(rows, (list, tuple)):
+        flags = [isinstance(row, bool) for row in rows]
+        if all(flags) and rows:
+            rows = torch.tensor(rows, dtype=torch.bool)
+        elif any(flags) or not all(isinstance(row, numbers.Integral) for row in rows):
+            raise TypeError(f"{name} must hold ints (row indices) or only bools (a mask), got {rows!r}")
+        else:
+            rows = torch.tensor(rows, dtype=torch.int64)
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, list or tuple (row indices or a bool mask), got {rows!r}")
+    check_tensor(rows, name, ndim=1, dtypes=(torch.bool,) + INT_DTYPES)
+    if rows.dtype == torch.bool:
+        check_shape(rows, name, (num_rows,), "(num_rows,)")
+        return rows.to(device)
+    indices = rows.to(device).long()
+    outside = (indices < 0) | (indices >= num_rows)
+    message = f"{name} must be row indices in [0, {num_rows})"
+    check_values(outside.any(), message, lambda: f", got {indices[outside][:5].tolist()}")
+    # With value checks off, an index outside the rows selects nothing (an extra slot, dropped).
+    mask = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)
+    return mask.index_fill(0, torch.where(outside, num_rows, indices), True)[:num_rows]
+
+
 def check_int(value: object, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
     """Check an integer argument (bool is rejected) against optional bounds; return it as ``int``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

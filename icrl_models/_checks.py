@@ -112,6 +112,17 @@ TRAINING_FIELD_RANGES = (
 TRAINING_COUNTS = ("steps", "batch_size", "log_every", "checkpoint_every")
 
 
+#: What a trainer does with a step whose loss or gradient norm is not finite (:mod:`icrl_models.nonfinite`).
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def check_nonfinite_policy(policy: object) -> str:
+    """``policy`` if it is one of :data:`NONFINITE_POLICIES`; ``ValueError`` naming ``nonfinite`` otherwise."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    return policy
+
+
 def check_training_fields(config) -> None:
     """Check the optimiser and schedule fields that ``config`` has (see :data:`TRAINING_FIELD_RANGES` and
     :data:`TRAINING_COUNTS`); a field it lacks, or one still ``None`` (a preset fills it later), is skipped.
@@ -124,6 +135,8 @@ def check_training_fields(config) -> None:
         check_int(getattr(config, name), name, low=1)
     for name in present(("warmup_steps",)):
         check_int(getattr(config, name), name, low=0)
+    if hasattr(config, "nonfinite"):
+        check_nonfinite_policy(config.nonfinite)
     for bounds, inside, names in TRAINING_FIELD_RANGES:
         for name in present(names):
             value = check_float(getattr(config, name), name)  # finite: NaN and inf fail here

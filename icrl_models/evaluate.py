@@ -13,7 +13,6 @@ training data (its own learning curve, from scratch) and a uniformly random poli
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .envs.base import BatchedEnv
+from .files import write_json
 from .generators import Agent, RandomAgent, collect_histories
 from .models.ad import ADModel
 from .models.headless_ad import HeadlessADModel
@@ -114,7 +114,7 @@ class EvalReport:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         json_path, png_path = folder / "eval.json", folder / "eval.png"
-        json_path.write_text(json.dumps(self.__dict__, indent=1))
+        write_json(json_path, self.__dict__)
         k = self.episode_subsample
         # The model distils the source's k-times-subsampled history, so source episode k*i lines up
         # with in-context episode i.

@@ -13,6 +13,11 @@ rewrites none), optionally to TensorBoard / Weights & Biases (``--track``), and 
 out in context on held-out tasks and write ``eval.json`` / ``eval.png``, printing a table. Rerunning
 a finished run prints its stored result without training or evaluating again.
 
+Faults: a step whose loss or gradient norm is inf or NaN ends the run with one line naming the step, the
+values and the last good checkpoint, which stays intact (``--nonfinite skip`` undoes such steps instead);
+every file is written atomically, so a killed run resumes from its last complete checkpoint, and a full
+disk is one line with exit status 2 (docs/models.md, "Faults").
+
 Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
 shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
 ``torch.compile``, and on CUDA ``--cuda-graph`` captures each training step (forward, backward, gradient
@@ -45,10 +50,12 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from icrl_kernels._validation import check_device
+
 from ._checks import check_int, check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
-from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .cuda_graphs import StepRunner, eager_optimizer_state, pinned, prepare_capturable, set_learning_rate
 from .data import (
@@ -63,9 +70,11 @@ from .data import (
 from .data.generate import BANDITS, ENV_NAMES, build_env
 from .envs.splits import grid_task_split
 from .evaluate import EvalReport, evaluate
+from .files import JsonLines, read_json_lines, remove_partial_files, write_json, write_text
 from .generators import make_agent
 from .models.ad import ADConfig, ADModel, action_loss, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
+from .nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .runtime import TRACKERS, Tracker, check_trackers, maybe_compile, torch_threads
 
 MODEL_KINDS = ("ngram_ad", "ad", "headless_ad")
@@ -150,6 +159,7 @@ class TrainConfig:
     seed: int = 0
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
     progress: bool = True
+    nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
     # -- speed and tracking (not part of the run's identity: a run may resume with other values) -----
     threads: int = dataclasses.field(
         default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
@@ -286,7 +296,9 @@ def run_identity(config: TrainConfig) -> dict:
 
 
 def load_trained(config: TrainConfig, device: str | torch.device = "cpu"):
-    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories."""
+    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories
+    (``device``: where the model goes; it must exist on this machine)."""
+    device = check_device(device)
     run_dir = Path(config.out_dir)
     histories = load_histories(config.data if config.data is not None else run_dir / "train.icrl")
     model = config.build_model(histories)
@@ -394,7 +406,8 @@ def _train(config: TrainConfig) -> dict:
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        remove_partial_files(run_dir)  # of writes a killed run left unfinished
+        write_json(run_dir / "config.json", dataclasses.asdict(config))
     ddp.barrier()
     start_time = time.perf_counter()
     histories = load_or_generate(config, run_dir, ddp)
@@ -410,13 +423,24 @@ def _train(config: TrainConfig) -> dict:
     identity = run_identity(config)
     if checkpoint_path.exists():
         payload = load_checkpoint(checkpoint_path, expect_config=identity)
+        step = payload["step"]
+        if step > config.steps:
+            raise CheckpointError(f"{checkpoint_path}: field 'step' is {step}, past the run's {config.steps} steps")
+        numpy_states = checkpoint_field(payload, checkpoint_path, "rng", "numpy", kind=list)
+        if len(numpy_states) <= ddp.rank:  # one state per process of the run that saved it
+            raise CheckpointError(
+                f"{checkpoint_path}: field ['rng']['numpy'] holds {len(numpy_states)} states, none for rank {ddp.rank}"
+            )
+        try:
+            rng.bit_generator.state = numpy_states[ddp.rank]
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"{checkpoint_path}: field ['rng']['numpy'] is not a numpy PCG64 state") from None
+        torch_state = checkpoint_field(payload, checkpoint_path, "rng", "torch", kind=torch.Tensor)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
-        rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
-        torch.set_rng_state(payload["rng"]["torch"])
+        torch.set_rng_state(torch_state)
         if "cuda" in payload["rng"] and ddp.device.type == "cuda":  # Headless-AD's maps, dropout on the GPU
             torch.cuda.set_rng_state(payload["rng"]["cuda"], ddp.device)
-        step = int(payload["step"])
     metrics_path = run_dir / "metrics.jsonl"
     if ddp.is_main:
         # Rows after the checkpoint's step come from a run killed before its next checkpoint: this run
@@ -433,6 +457,10 @@ def _train(config: TrainConfig) -> dict:
 
     if graphed:  # the learning rate and step counters move to the device, where the graph reads them
         prepare_capturable(optimizer)
+    # Watches every step on the device; read below only where the loop reads the host anyway.
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=step)
+    if checkpoint_path.exists():
+        guard.saved(checkpoint_path, step)
     trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
     trained = maybe_compile(trained, config.compile)
     tracker = (
@@ -442,7 +470,7 @@ def _train(config: TrainConfig) -> dict:
     )  # fmt: skip
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
-    metrics = open(metrics_path, "a") if ddp.is_main else None
+    metrics = JsonLines(metrics_path) if ddp.is_main else None
     show = config.progress and ddp.is_main
     bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
     if ddp.is_main and step == 0:
@@ -452,7 +480,7 @@ def _train(config: TrainConfig) -> dict:
     last_log = (step, time.perf_counter())
     run_step = StepRunner(
         lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
-        cuda_graph=graphed,
+        cuda_graph=graphed, guard=guard,
     )  # fmt: skip
     try:
         while step < config.steps:
@@ -461,23 +489,31 @@ def _train(config: TrainConfig) -> dict:
             stats = run_step(_next_batch(windows, rng, config, model, ddp.device))
             step += 1
             bar.update(1)
-            if metrics is not None and (step % config.log_every == 0 or step == config.steps):
+            log_now = step % config.log_every == 0 or step == config.steps
+            # Every rank (their gradients are all-reduced): raises if the run diverged ("stop"), before a NaN row.
+            skipped = guard.check() if log_now else 0
+            if metrics is not None and log_now:
                 now = time.perf_counter()
-                loss, grad_norm = stats.tolist()  # the one host read, every log_every steps
+                loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
                 record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
                           "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
                           "seconds": now - start_time}  # fmt: skip
+                if config.nonfinite == "skip":
+                    record["skipped_steps"] = skipped
                 last_log = (step, now)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                metrics.write(record)
                 tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
                 bar.set_postfix(loss=f"{record['loss']:.3f}")
             if step % config.checkpoint_every == 0 or step == config.steps:
+                guard.check()  # every rank: never a checkpoint of a diverged model over the last good one
+                if metrics is not None:
+                    metrics.sync()  # the rows up to this step are on disk before the checkpoint refers to them
                 _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
+                guard.saved(checkpoint_path, step)
             if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
+                guard.check()
                 report = run_evaluation(model, config, histories, seed=config.seed + 1)
-                metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
-                metrics.flush()
+                metrics.write({"step": step, "eval": report.summary})
                 tracker.log(step, _eval_scalars(report.summary))
                 model.train()
         bar.close()
@@ -487,7 +523,7 @@ def _train(config: TrainConfig) -> dict:
             report = run_evaluation(model, config, histories, seed=config.seed + 1)
             json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
             summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-            metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
+            metrics.write({"step": step, "eval": summary})
             tracker.log(step, _eval_scalars(summary))
             print(report.table())
             print(
@@ -513,15 +549,7 @@ def _eval_scalars(summary: dict) -> dict:
 
 def _read_metrics(path: Path) -> list[dict]:
     """The rows of ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_json_lines(path)
 
 
 def _trim_metrics(path: Path, step: int) -> list[dict]:
@@ -529,9 +557,7 @@ def _trim_metrics(path: Path, step: int) -> list[dict]:
     records = _read_metrics(path)
     kept = [record for record in records if int(record.get("step", 0)) <= step]
     if len(kept) != len(records) or (path.exists() and path.read_text().count("\n") != len(records)):
-        temporary = path.with_suffix(".jsonl.partial")
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        os.replace(temporary, path)
+        write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
     return kept
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 import torch
 
@@ -76,3 +79,83 @@ def capturable_on_cpu(monkeypatch):
             monkeypatch.setattr(
                 module, "_get_capturable_supported_devices", lambda *a, _s=supported, **k: [*_s(*a, **k), "cpu"]
             )
+
+
+class _FillingFile:
+    """A file opened for writing on a :class:`FillingDisk`: its writes draw on the disk's budget."""
+
+    def __init__(self, file, disk: FillingDisk) -> None:
+        self._file, self._disk = file, disk
+
+    def write(self, data):
+        size = len(data)
+        room = self._disk.take(size)
+        if room < size:  # the disk fills up: the first bytes land, as on a real disk, then ENOSPC
+            self._file.write(data[:room])
+            self._file.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self._file.write(data)
+
+    def __enter__(self):
+        self._file.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._file.__exit__(*exc)
+
+    def __iter__(self):
+        return iter(self._file)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+class FillingDisk:
+    """Every file opened for writing or appending under ``folder`` (through ``open``, ``io.open``, ``os.fdopen``,
+    ``Path.write_text`` and whatever calls them, matplotlib and numpy included) shares ``budget`` bytes; the
+    write that crosses it is cut short and raises ``OSError(ENOSPC)``, as a full disk does. ``written`` counts
+    the bytes (characters of text files) that went through."""
+
+    def __init__(self, monkeypatch, folder, budget: int) -> None:
+        import builtins
+        import io
+
+        self.folder, self.budget, self.written = os.path.realpath(folder), budget, 0
+        real_open = io.open
+
+        def filling_open(file, mode="r", *args, **kwargs):
+            opened = real_open(file, mode, *args, **kwargs)
+            if not any(flag in mode for flag in "wax+") or not self._inside(file):
+                return opened
+            return _FillingFile(opened, self)
+
+        monkeypatch.setattr(builtins, "open", filling_open)
+        monkeypatch.setattr(io, "open", filling_open)
+
+    def _inside(self, file) -> bool:
+        if isinstance(file, int):  # os.fdopen: the descriptor's path
+            try:
+                file = os.readlink(f"/proc/self/fd/{file}")
+            except OSError:
+                return False
+        try:
+            path = os.path.realpath(os.fspath(file))
+        except TypeError:
+            return False
+        return path == self.folder or path.startswith(self.folder + os.sep)
+
+    def take(self, size: int) -> int:
+        """Bytes of a write of ``size`` that still fit (all of them, or what is left)."""
+        room = max(0, min(size, self.budget - self.written))
+        self.written += room
+        return room
+
+
+@pytest.fixture
+def fill_disk(monkeypatch):
+    """``fill_disk(folder, budget)``: a :class:`FillingDisk` of ``budget`` bytes for the files under ``folder``."""
+
+    def make(folder, budget: int) -> FillingDisk:
+        return FillingDisk(monkeypatch, folder, budget)
+
+    return make

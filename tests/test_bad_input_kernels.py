@@ -78,6 +78,8 @@ ERROR_CASES: list[Case] = [
     # backend resolution and value-check modes
     Case("resolve_backend", "backend unknown", lambda: K.resolve_backend("cuda", torch.device("cpu"))),
     Case("resolve_backend", "backend not a str", lambda: K.resolve_backend(1, torch.device("cpu"))),
+    Case("resolve_backend", "device unknown", lambda: K.resolve_backend("auto", "gpu")),
+    Case("resolve_backend", "device a list", lambda: K.resolve_backend("auto", ["cpu"]), TypeError),
     Case("set_value_checks", "mode unknown", lambda: K.set_value_checks("loud")),
     Case("set_value_checks", "mode not a str", lambda: K.set_value_checks(None)),
     # infonce_loss
@@ -171,6 +173,15 @@ ERROR_CASES: list[Case] = [
     Case("orthonormal_embeddings", "generator an int", lambda: K.orthonormal_embeddings(3, 4, generator=42), TypeError),
     Case("orthonormal_embeddings", "device unknown", lambda: K.orthonormal_embeddings(3, 4, device="gpu0")),
     Case("orthonormal_embeddings", "device a float", lambda: K.orthonormal_embeddings(3, 4, device=1.5), TypeError),
+    Case(
+        "orthonormal_embeddings",
+        "device cuda where there is none",
+        lambda: K.orthonormal_embeddings(3, 4, device="cuda:7"),
+        names=r"device 'cuda:7' (asked for CUDA|does not exist)",
+    ),
+    Case(
+        "ActionMap", "device unknown (regenerate)", lambda: K.ActionMap(3, 8).regenerate(device="gpu"), names="device"
+    ),
     Case("orthonormal_embeddings", "strict a str", lambda: K.orthonormal_embeddings(3, 4, strict="yes"), TypeError),
     Case("orthonormal_embeddings", "num_actions > dim (strict)", lambda: K.orthonormal_embeddings(5, 4, strict=True)),
     # mixture_of_heads
@@ -655,6 +666,27 @@ REFERENCE_CASES: list[Case] = [
         "tau a str",
         lambda: K.select_actions_reference(f32(2, 8), f32(3, 8), tau="1"),
         TypeError,
+    ),
+    Case(
+        "select_actions_reference",
+        "pred NaN",
+        lambda: K.select_actions_reference(torch.full((2, 8), NAN), f32(3, 8), mask=torch.tensor([False, True, True])),
+    ),
+    Case(
+        "select_actions_reference",
+        "action_embeds NaN (argmax)",
+        lambda: K.select_actions_reference(f32(2, 8), torch.full((3, 8), NAN)),
+    ),
+    Case(
+        "select_actions",
+        "pred NaN (reference backend, masked)",
+        lambda: K.select_actions(
+            torch.full((2, 8), NAN),
+            f32(3, 8),
+            mode="argmax",
+            mask=torch.tensor([False, True, True]),
+            backend="reference",
+        ),
     ),
     Case(
         "select_actions_reference",

@@ -1378,7 +1378,7 @@ def test_padded_mask_layout():
     assert _padded_mask(None) is None
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("backend,device", ALL_PATHS)
 @pytest.mark.parametrize("where", ["pred", "action_embeds"])
 def test_select_nan_is_reported_and_masked_actions_never_chosen(backend, device, where):
     """NaN in ``pred`` or the map raises ValueError naming both arguments; with value checks off, every
@@ -1414,7 +1414,7 @@ def test_select_nan_is_reported_and_masked_actions_never_chosen(backend, device,
     assert mask.gather(-1, actions[..., None]).all()
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("backend,device", ALL_PATHS)
 @pytest.mark.parametrize("mode", ["argmax", "sample"])
 def test_select_overflowing_logits_never_choose_masked(backend, device, mode):
     """tau = 1e-38 sends every logit to +-inf. Rows whose available logits are all -inf must get their
@@ -1441,6 +1441,39 @@ def test_select_overflowing_logits_never_choose_masked(backend, device, mode):
         assert (logits[20:] == float("inf")).sum(-1).min() > 1, "ties at +inf must be common"
         expected = select_actions_reference(pred, embeds, tau=1e-38, mask=mask)
         assert torch.equal(actions[20:], expected[20:])
+
+
+@pytest.mark.parametrize("backend,device", FAST_PATHS)
+def test_select_fast_paths_agree_with_the_reference_on_non_finite_scores(backend, device):
+    """The reference is the spec for the non-finite cases too: argmax with scores that overflow to +-inf
+    at a tiny tau under a mask, and NaN scores with value checks off, give the same actions on every path
+    (and the reference raises on NaN as the fast paths do)."""
+    from icrl_kernels import set_value_checks
+
+    gen = torch.Generator().manual_seed(43)
+    embeds = torch.randn(37, 8, generator=gen)
+    pred = torch.randn(3, 11, 8, generator=gen) * 1000
+    mask = random_mask((3, 11, 37), gen)
+    mask[..., 0] = False
+    mask[0, :, 1:] &= (pred[0] @ embeds.T)[:, 1:] < 0  # sequence 0: only -inf logits left available
+    mask[0, :, 36] = True
+    nan_pred = pred.clone()
+    nan_pred[1, 2] = float("nan")
+    nan_pred[2, :, 3] = float("nan")
+    cases = [(pred, 1e-38, mask), (pred, 1e-38, None), (pred, 0.7, mask), (nan_pred, 1.0, mask), (nan_pred, 1.0, None)]
+    with pytest.raises(ValueError, match="pred or action_embeds contains NaN"):
+        select_actions_reference(nan_pred, embeds, mask=mask)
+    previous = set_value_checks("off")  # NaN scores: compare what each path picks when nothing raises
+    try:
+        for case_pred, tau, case_mask in cases:
+            expected = select_actions_reference(case_pred, embeds, tau=tau, mask=case_mask)
+            moved = [t.to(device) if t is not None else None for t in (case_pred, embeds, case_mask)]
+            actions = select_actions(moved[0], moved[1], mode="argmax", tau=tau, mask=moved[2], backend=backend)
+            assert torch.equal(actions.cpu(), expected), (tau, case_mask is None, bool(case_pred.isnan().any()))
+            if case_mask is not None:
+                assert case_mask.gather(-1, expected[..., None]).all(), "the reference picked a masked action"
+    finally:
+        set_value_checks(previous)
 
 
 def test_eager_gumbel_noise_is_a_device_function_of_the_seed():

@@ -68,6 +68,70 @@ def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path,
     assert stats.shape == (2,) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.mark.parametrize("model, env", MODELS)
+def test_watched_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path, model, env, policy):
+    """icrl-train's step watched by the NonFiniteGuard (under "skip" it backs up and conditionally restores the
+    whole state every step) stays free of host reads, so the graphed step keeps the guard in the graph."""
+    from icrl_models.nonfinite import NonFiniteGuard
+
+    config = _tiny(tmp_path, model, env, backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories)
+    optimizer = torch.optim.AdamW(net.parameters(), torch.tensor(1e-3), capturable=True)
+    guard = NonFiniteGuard(net, optimizer, policy=policy)
+    autocast = torch.autocast("cpu", enabled=False)
+    step = guard.watch(lambda batch: train_step(net, net, optimizer, batch, config, autocast))
+    rng = np.random.default_rng(0)
+    batches = [_next_batch(windows, rng, config, net, torch.device("cpu")) for _ in range(3)]
+    with gpu_value_checks(), HostReadDetector() as detector:
+        for batch in batches:
+            step(batch)
+    assert not detector.reads, f"the watched {model} step reads device values on the host: {detector.reads}"
+    assert guard.check() == 0
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_graphed_runner_with_a_guard_equals_the_eager_one(capturable_on_cpu, monkeypatch, tmp_path, policy):
+    """The guard inside StepRunner's graphed path (capture emulated on the CPU): the capture's warm-up steps
+    leave its counters as they were (the extra state restored), and a non-finite step in a replay is
+    recorded at the step the eager runner records it, and (skip) undone alike."""
+    from icrl_models.nonfinite import NonFiniteGuard, TrainingDiverged
+
+    config = _tiny(tmp_path, "ngram_ad", "dark_room", backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    autocast = torch.autocast("cpu", enabled=False)
+    results = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        net = config.build_model(histories)
+        optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        guard = NonFiniteGuard(net, optimizer, policy=policy, step=10, log=lambda line: None)
+        _EmulatedGraphs(net, optimizer, guard.state_tensors()).install(monkeypatch)
+        runner = cuda_graphs.StepRunner(
+            lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
+            torch.device("cpu"), guard=guard,
+        )  # fmt: skip
+        runner.graphed = graphed
+        rng = np.random.default_rng(0)
+        batches = [_next_batch(windows, rng, config, net, torch.device("cpu")) for _ in range(5)]
+        batches[3]["prev_rewards"] = batches[3]["prev_rewards"] * float("nan")  # step 14 is not finite
+        for batch in batches:
+            runner(batch)
+        try:
+            outcome = guard.check()
+        except TrainingDiverged as error:
+            outcome = error.step
+        results[graphed] = (outcome, int(guard.steps), [p.detach().clone() for p in net.parameters()])
+    assert results[True][:2] == results[False][:2] == ((14 if policy == "stop" else 1), 15)
+    for got, want in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
 def _dt_moa(backend: str, gate: str = "softmax", device="cpu"):
     from icrl_models.models.dt_moa import DecisionTransformerMoA, DTMoAConfig
 
@@ -102,9 +166,9 @@ def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend,
     autocast = torch.autocast("cpu", enabled=False)
     with gpu_value_checks(), HostReadDetector() as detector:
         for batch in _dt_batches(2, model.config):
-            loss = dt_train_step(model, optimizer, batch, 1.0, autocast)
+            stats = dt_train_step(model, optimizer, batch, 1.0, autocast)
     assert not detector.reads, f"the DT-MoA training step reads device values on the host: {detector.reads}"
-    assert loss.shape == () and torch.isfinite(loss)
+    assert stats.shape == (2,) and torch.isfinite(stats).all()  # loss, gradient norm
 
 
 class _RaisingHostReadDetector(HostReadDetector):
@@ -132,8 +196,8 @@ class _EmulatedGraphs:
     the same detector (a host read invalidates a real capture) and then undoes it (a real capture runs nothing);
     a "replay" runs the step on the static inputs. What a real capture adds (recording kernels) needs a GPU."""
 
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer, self.captures = model, optimizer, 0
+    def __init__(self, model, optimizer, extra_state=()):
+        self.model, self.optimizer, self.extra_state, self.captures = model, optimizer, extra_state, 0
 
     def __call__(self, device, generators=()):  # stands in for the class: _CudaGraphs(device, generators)
         return self
@@ -153,7 +217,8 @@ class _EmulatedGraphs:
 
     def capture(self, record):
         self.captures += 1
-        saved, rng = cuda_graphs._snapshot(self.model, self.optimizer), torch.get_rng_state()
+        saved = cuda_graphs._snapshot(self.model, self.optimizer, self.extra_state)
+        rng = torch.get_rng_state()
         try:
             with _RaisingHostReadDetector():
                 output = record()

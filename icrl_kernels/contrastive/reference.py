@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._validation import FLOAT_DTYPES, check_choice, check_int, check_positive_float, check_tensor
+from .._validation import FLOAT_DTYPES, check_choice, check_int, check_positive_float, check_tensor, check_values
 from .checks import (
     IGNORE_INDEX,
+    NAN_LOGIT_MESSAGE,
     REDUCTIONS,
     canonical,
     check_rows_have_actions,
@@ -63,10 +64,15 @@ def _logits(pred: torch.Tensor, action_embeds: torch.Tensor, tau: float, mask: t
         logits = torch.einsum("btd,bad->bta", pred32, embeds32)
     logits = logits / tau
     if mask is not None:
-        if mask.dim() == 2 and logits.dim() == 3:  # [B, A] per-sequence mask against [B, T, A]
-            mask = mask[:, None, :]
-        logits = logits.masked_fill(~mask, float("-inf"))
+        logits = logits.masked_fill(~_mask_like(mask, logits), float("-inf"))
     return logits
+
+
+def _mask_like(mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """A checked ``mask`` as a view that broadcasts against ``logits``."""
+    if mask.dim() == 2 and logits.dim() == 3:  # [B, A] per-sequence mask against [B, T, A]
+        return mask[:, None, :]
+    return mask
 
 
 def infonce_loss_reference(
@@ -121,7 +127,12 @@ def select_actions_reference(
     mask: torch.Tensor | None = None,
     gumbel: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``argmax_a (logits + gumbel)`` (``gumbel=None``: plain argmax, the lowest index among ties).
+    """``argmax_a (logits + gumbel)`` over the available actions (``gumbel=None``: plain argmax), the
+    lowest available id among ties.
+
+    Never an unavailable action, whatever the values: where every available score is ``-inf`` (finite
+    scores overflow at a tiny ``tau``), the tie at ``-inf`` goes to the row's first available action, not
+    to a masked one of the same ``-inf``.
 
     Args:
         pred, action_embeds, tau, mask: as in :func:`infonce_loss_reference`.
@@ -131,8 +142,9 @@ def select_actions_reference(
         int64 action ids of shape ``pred.shape[:-1]``.
 
     Raises:
-        ValueError/TypeError naming the argument, as :func:`select_actions`; a mask row with no available
-        action through ``check_values``.
+        ValueError/TypeError naming the argument, as :func:`select_actions`; through ``check_values``: a
+        mask row with no available action, and a NaN logit of an available action (NaN in ``pred`` or
+        ``action_embeds``; NaN only in the embedding of an action no row may take is harmless).
     """
     canon = canonical(pred, action_embeds, mask)
     tau = check_positive_float(tau, "tau")
@@ -145,7 +157,19 @@ def select_actions_reference(
         )
         if not broadcasts:
             raise ValueError(f"gumbel must broadcast to the logits' shape {logits_shape}, got {tuple(gumbel.shape)}")
-    logits = _logits(pred, action_embeds, tau, mask)
+    logits = _logits(pred, action_embeds, tau, mask)  # -inf on unavailable actions, so NaN only on available ones
+    check_values(
+        logits.isnan().any(),
+        NAN_LOGIT_MESSAGE,  # the details as check_selection_status gives them
+        lambda: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(action_embeds.isnan().any())}",
+    )
     if gumbel is not None:
         logits = logits + gumbel
-    return logits.argmax(dim=-1)
+    # NaN ranks lowest (it can only remain with value checks off); then the lowest available action of
+    # the best score: with a mask, a tie at -inf must not go to a masked action of the same -inf.
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    best = logits.max(dim=-1, keepdim=True).values
+    candidates = logits == best
+    if mask is not None:
+        candidates &= _mask_like(mask, logits)
+    return candidates.to(torch.uint8).argmax(dim=-1)  # argmax takes the first of equal maxima

@@ -43,6 +43,8 @@ from .._cli import command_line
 from ..analysis import reward_dependence
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..data import HistoryWindows, generate_histories, local_action_batch
+from ..files import save_figure, write_json
+from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
 from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 from .harness import (
     cached_dataset,
@@ -176,6 +178,9 @@ class HeadlessExperimentConfig(SweepOptions):
     cuda_graph: bool = dataclasses.field(
         default=False, metadata={"help": "CUDA only: replay each training step from a CUDA graph (icrl-train)"}
     )
+    nonfinite: str = dataclasses.field(
+        default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
+    )
     ablations: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": f"bernoulli: train these Headless-AD variants instead ('all' or any of {tuple(ABLATIONS)}) "
@@ -191,6 +196,7 @@ class HeadlessExperimentConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_nonfinite_policy(self.nonfinite)
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")
         check_preset(self.preset, PRESETS)
@@ -216,7 +222,7 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
     data = out_dir / "train.icrl"
     configs = preset_configs(config.experiment, config.preset, out_dir, str(data), config.seed)
     overrides = {"device": config.device, "progress": config.progress, "threads": config.threads,
-                 "compile": config.compile, "cuda_graph": config.cuda_graph}  # fmt: skip
+                 "compile": config.compile, "cuda_graph": config.cuda_graph, "nonfinite": config.nonfinite}  # fmt: skip
     if config.steps is not None:
         overrides["steps"] = config.steps
     if config.experiment != "darkroom":
@@ -311,7 +317,7 @@ def _ablation_trial(train_config: TrainConfig, *, config: HeadlessExperimentConf
         cached["scores"] = _score_ablation(train_config, config, device)
     if "reward_use" not in cached:  # scores kept from before reward use was measured are reused
         cached["reward_use"] = _reward_use(train_config, config, device)
-    cache.write_text(json.dumps(cached, indent=1))
+    write_json(cache, cached)
     rows, reward_use = cached["scores"], cached["reward_use"]
     return {"scores": rows, "reward_use": reward_use, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -419,8 +425,7 @@ def plot_scores(results: dict, path: Path) -> None:
     axis.set_ylim(min(0.0, axis.get_ylim()[0]), 1.25)  # headroom above the source's 1.0 for the legend
     axis.legend(loc="upper right")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 @command_line("icrl-headless")

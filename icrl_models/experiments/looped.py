@@ -30,9 +30,10 @@ from tqdm.auto import tqdm
 
 from .._checks import check_int, check_training_fields
 from .._cli import command_line, resolve_device
-from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
 from ..cuda_graphs import prepare_capturable, set_learning_rate
+from ..files import save_figure
 from ..function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -44,6 +45,7 @@ from ..function_classes import (
 )
 from ..looped_step import make_graphed_train_step, make_optimizer, train_step
 from ..models.looped import LoopedConfig, LoopedTransformer
+from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .harness import (
     command_string,
     fill_from_preset,
@@ -118,6 +120,7 @@ class LoopedExperimentConfig(SweepOptions):
     )
     eval_every: int = _field("steps between logged errors at k on 256 fixed prompts", 250)
     checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
+    nonfinite: str = _field(NONFINITE_HELP, "stop")
     out_dir: str = _field("output folder", "runs/looped")
 
     def __post_init__(self) -> None:
@@ -163,7 +166,8 @@ class LoopedExperimentConfig(SweepOptions):
 
 #: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
 RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
-                   "checkpoint_every", "eval_every", *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
+                   "checkpoint_every", "eval_every", "nonfinite",
+                   *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
 
 
 def run_identity(config: LoopedExperimentConfig) -> dict:
@@ -210,12 +214,19 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     first_step = 0
     if path.exists():
         payload = load_checkpoint(path, expect_config=identity)
+        prompts_state = checkpoint_field(payload, path, "rng", "prompts", kind=torch.Tensor)
+        history = checkpoint_field(payload, path, "history", kind=dict)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         if graphed:
             prepare_capturable(optimizer)  # load_state_dict restores the saved flags, lr and step devices
-        generator.set_state(payload["rng"]["prompts"])
-        history, first_step = payload["history"], payload["step"]
+        generator.set_state(prompts_state)
+        first_step = payload["step"]
+    # Watches every step on the device; read below only at the log points (checkpoints are among them).
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=first_step)
+    if path.exists():
+        guard.saved(path, first_step)
+    watched_step = guard.watch(train_step)
     start = time.perf_counter() - history["wall_s"]
     label = name if looped else f"unlooped-{config.unlooped_layers}L"
     progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
@@ -236,12 +247,13 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
             if key != graph_key:  # a new curriculum stage: a new graph (the old one's memory freed first)
                 graph = None
                 graph = make_graphed_train_step(
-                    model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
-                )
+                    model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype,
+                    guard=guard,
+                )  # fmt: skip
                 graph_key = key
             loss = graph(xs, ys)
         else:
-            loss = train_step(
+            loss = watched_step(
                 model, optimizer, xs, ys, loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
             )
         # Loss normalised by the label variance, so curriculum stages are comparable.
@@ -249,6 +261,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
         done = step + 1
         log_now = done % config.eval_every == 0 or done % config.checkpoint_every == 0 or done == config.steps
         if log_now:
+            guard.check()  # a diverged run stops here, before its loss is logged or a checkpoint saved
             values = torch.stack([value for value, _ in pending]).tolist()
             history["loss"].extend(value / var for value, (_, var) in zip(values, pending))
             pending.clear()
@@ -264,6 +277,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
                        "optimizer": optimizer.state_dict(), "rng": {"prompts": generator.get_state()},
                        "history": history}  # fmt: skip
             save_checkpoint(payload, path)
+            guard.saved(path, done)
     history["wall_s"] = time.perf_counter() - start
     return model, history
 
@@ -425,8 +439,7 @@ def plot_results(report: dict, path: Path) -> None:
     curves.legend(fontsize=8)
     figure.suptitle(f"Looped transformer, {report['config']['task']}, d = {report['config']['n_dims']}")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 @command_line("icrl-looped")

@@ -100,8 +100,10 @@ from ..config import add_config_arguments, as_tuple, config_from_args, make_pars
 from ..cuda_graphs import StepRunner, pinned, prepare_capturable, set_learning_rate, to_device
 from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
+from ..files import save_figure
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
+from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .harness import (
     RunningLoss,
     command_string,
@@ -295,6 +297,7 @@ class MarkovConfig(SweepOptions):
         default=False,
         metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
     )
+    nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
     #: Tiny models gain nothing from intra-op threads on a shared CPU (see icrl-induction).
     num_threads: int = dataclasses.field(
         default=1,
@@ -547,15 +550,15 @@ def _markov_summary(report: MarkovReport) -> dict:
 
 def dt_train_step(model, optimizer, batch: dict[str, torch.Tensor], grad_clip: float, autocast) -> torch.Tensor:
     """One AdamW step of the DT-MoA on a device batch (forward under ``autocast``, loss, backward, clipping);
-    returns the loss (a 0-d device tensor). Reads no device value on the host: capturable in a CUDA graph
-    (``--cuda-graph``)."""
+    returns ``[loss, grad_norm]`` (fp32, on the device; the norm before clipping). Reads no device value on the
+    host: capturable in a CUDA graph (``--cuda-graph``)."""
     optimizer.zero_grad(set_to_none=True)
     with autocast:
         loss = model.loss(batch)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    return loss.detach()
+    return torch.stack([loss.detach().float(), grad_norm.float()])
 
 
 def run_task(
@@ -599,9 +602,11 @@ def run_task(
     graphed = config.cuda_graph and device.type == "cuda"
     if graphed:  # the learning rate and step counters on the device, where the graph reads them
         prepare_capturable(optimizer)
+    # Watches every step on the device; read at the G_Markov readings, where the loop reads the host anyway.
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
     run_step = StepRunner(
         lambda batch: dt_train_step(model, optimizer, batch, config.grad_clip, autocast), model, optimizer, device,
-        cuda_graph=graphed,
+        cuda_graph=graphed, guard=guard,
     )  # fmt: skip
     rng = np.random.default_rng(seed + 7)
     curve = {"step": [0], "loss": [float("nan")], "g_markov": [g_markov_now()]}
@@ -611,8 +616,9 @@ def run_task(
     bar = tqdm(range(1, config.steps + 1), desc=f"{task.label} k={k} seed {seed}", disable=not config.progress)
     for step in bar:
         set_learning_rate(optimizer, learning_rate_at(step - 1, config))
-        running.add(run_step(pinned(sample(windows, config.batch_size, rng), device)))
+        running.add(run_step(pinned(sample(windows, config.batch_size, rng), device))[0])
         if step % config.eval_every == 0 or step == config.steps:
+            skipped = guard.check()  # a diverged run ("stop") ends here, before its NaN loss is recorded
             curve["step"].append(step)
             curve["loss"].append(running.mean())
             curve["g_markov"].append(g_markov_now())
@@ -674,6 +680,7 @@ def run_task(
             "optimal": float(eval_env.optimal_returns().mean()),
         },
         "num_transitions": len(windows),
+        "skipped_steps": skipped,
         "train_seconds": train_seconds,
         "wall_seconds": time.perf_counter() - start,
     }
@@ -714,8 +721,9 @@ class MarkovTrial:
 
     def key(self) -> dict:
         """What the run's result depends on: the config without where and how it runs, and the run."""
-        return settings_key(self.config, ("out_dir", "progress", "device", "cuda_graph", "num_threads"), seed=self.seed,
-                            task=self.task, corridor_length=self.corridor_length, k=self.k)  # fmt: skip
+        # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
+        return settings_key(self.config, ("out_dir", "progress", "device", "cuda_graph", "num_threads", "nonfinite"),
+                            seed=self.seed, task=self.task, corridor_length=self.corridor_length, k=self.k)  # fmt: skip
 
 
 #: The last backbone built (config, seed) -> (model config, weights): the runs of one seed share it.
@@ -1188,8 +1196,7 @@ def plot_memory(report: dict, path: Path) -> None:
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_markov(report: dict, path: Path) -> None:
@@ -1241,8 +1248,7 @@ def plot_markov(report: dict, path: Path) -> None:
     left.legend(handles=handles, fontsize=8)
     right.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def format_summary(report: dict) -> str:

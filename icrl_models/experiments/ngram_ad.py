@@ -75,6 +75,8 @@ from .._cli import command_line
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..data.generate import ENV_NAMES
 from ..envs.splits import DEFAULT_NUM_TRAIN_TASKS
+from ..files import save_figure
+from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
 from ..train import TrainConfig, train
 from .harness import (
     cached_dataset,
@@ -246,6 +248,9 @@ class CompareConfig(SweepOptions):
     cuda_graph: bool = dataclasses.field(
         default=False, metadata={"help": "CUDA only: replay each run's training steps from a CUDA graph (icrl-train)"}
     )
+    nonfinite: str = dataclasses.field(
+        default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
+    )
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -259,6 +264,7 @@ class CompareConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_nonfinite_policy(self.nonfinite)
         if self.preset is not None:
             fill_from_preset(self, PRESETS)
         for name, value in DEFAULTS.items():
@@ -361,6 +367,7 @@ def build_trials(config: CompareConfig) -> list[Trial]:
                 num_heads=config.num_heads, num_layers=config.num_layers, eval_episodes=config.eval_episodes,
                 eval_envs_per_task=config.eval_envs_per_task, eval_tasks=config.eval_tasks or None, seed=seed,
                 progress=config.progress, threads=config.threads, compile=config.compile, cuda_graph=config.cuda_graph,
+                nonfinite=config.nonfinite,
             )  # fmt: skip
             for index, assignment in enumerate(draws[seed]):
                 for model in config.models:
@@ -709,8 +716,7 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
     figure.suptitle(f"{' vs '.join(config.model_names().values())}, {config.steps} steps per run (mean ± sd over "
                     "seeds)", fontsize=10)  # fmt: skip
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
@@ -778,8 +784,7 @@ def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 @command_line("icrl-compare")

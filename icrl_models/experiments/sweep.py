@@ -42,6 +42,8 @@ from typing import Any
 from .._checks import check_float, check_int
 from .._cli import ReportedFailure
 from ..config import torch_threads
+from ..files import write_json
+from ..nonfinite import TrainingDiverged
 
 SCHEDULERS = ("auto", "ray", "processes", "local")
 SWEEP_HINT = (
@@ -51,7 +53,8 @@ SWEEP_HINT = (
 
 
 class TrialsFailed(ReportedFailure):
-    """Trials of a sweep failed on Ray or in worker processes; the message names each one (with its log)."""
+    """Trials of a sweep failed (on Ray or in worker processes: any error, with its log; locally: a diverged
+    run); the message names each one."""
 
 
 def ray_tune_available() -> bool:
@@ -130,20 +133,29 @@ def run_trials(
     Returns:
         the outcomes, in the order of ``configs``.
     Raises:
-        TrialsFailed: on Ray or in worker processes, after the other trials finished, naming each trial
-            that failed (locally a trial's exception propagates at once). A command prints it as one line.
+        TrialsFailed: after the other trials finished, naming each trial that failed: on Ray or in worker
+            processes any error; locally a run that diverged (:class:`~icrl_models.nonfinite.TrainingDiverged`),
+            while any other exception propagates at once (a bug). A command prints it as one line.
     """
     if options.scheduler == "processes":
         return _run_in_processes(configs, runner, options, log_dir=Path(storage) / name, on_outcome=on_outcome)
     if not options.uses_ray(len(configs)):
         if len(configs) > 1 and options.scheduler == "auto":
             print(f"icrl: {len(configs)} trials {SWEEP_HINT}", file=sys.stderr)
-        outcomes = []
+        outcomes: list[dict | None] = []
+        errors = []
         for index, config in enumerate(configs):
-            outcomes.append(runner(config))
+            try:
+                outcomes.append(runner(config))
+            except TrainingDiverged as error:  # a failed trial, not a bug: the others still run
+                print(f"icrl: trial {index} failed: {error}", file=sys.stderr)
+                errors.append(f"{index}: {type(error).__name__}: {error}")
+                outcomes.append(None)
+                continue
             if on_outcome is not None:
                 on_outcome(index, outcomes[-1])
-        return outcomes
+        _raise_failed(configs, outcomes, errors, "trials failed")
+        return outcomes  # type: ignore[return-value]
     return _run_on_ray(configs, runner, options, name=name, storage=Path(storage), on_outcome=on_outcome)
 
 
@@ -268,10 +280,16 @@ def _run_in_processes(
         raise
     finally:
         pool.join()
+    _raise_failed(configs, outcomes, errors, "trials failed in worker processes")
+    return outcomes  # type: ignore[return-value]
+
+
+def _raise_failed(configs: Sequence[Any], outcomes: Sequence[dict | None], errors: list[str], what: str) -> None:
+    """Raise :class:`TrialsFailed` naming each failed trial (``errors``) and the run folders left without an
+    outcome, if any trial failed."""
     if errors:
         missing = [getattr(configs[i], "out_dir", i) for i, outcome in enumerate(outcomes) if outcome is None]
-        raise TrialsFailed(f"trials failed in worker processes ({'; '.join(errors)}): {missing}")
-    return outcomes  # type: ignore[return-value]
+        raise TrialsFailed(f"{what} ({'; '.join(errors)}): {missing}")
 
 
 # --- results kept per trial (resuming experiments whose trials are not icrl-train runs) ---------------------
@@ -296,8 +314,5 @@ def reuse_or_run(path: str | Path, key: dict, run: Callable[[], dict]) -> dict:
         if stored.get("key") == key:
             return stored["outcome"]
     outcome = run()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"key": key, "outcome": outcome}))
-    partial.replace(path)
+    write_json(path, {"key": key, "outcome": outcome}, indent=None)
     return outcome

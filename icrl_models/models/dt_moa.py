@@ -42,7 +42,7 @@ from icrl_kernels.modules.gpt2_block import GPT2Block
 
 from .._checks import check_generator
 from ..data.histories import LearningHistories
-from ..envs.base import BatchedEnv
+from ..envs.base import BatchedEnv, as_index_array
 from .ad import masked_cross_entropy
 
 MOA_GATES = ("softmax", "sigmoid", "linear")
@@ -399,8 +399,11 @@ class TrajectoryWindows:
         return int(self.states.size)
 
     def get_batch(self, starts) -> dict[str, torch.Tensor]:
-        """Windows starting at flat step indices ``starts`` (``[B]``)."""
-        starts = np.asarray(starts, dtype=np.int64)
+        """Windows starting at flat step indices ``starts`` (``[B]`` ints in ``[0, len(self))``; others raise
+        ``TypeError``/``ValueError`` naming ``starts``)."""
+        starts = as_index_array(starts, "starts", low=0, high=len(self))
+        if starts.ndim != 1:
+            raise ValueError(f"starts must be 1-D, got shape {starts.shape}")
         index = starts[:, None] + np.arange(self.context_len)[None, :]
         mask = index < self.episode_end[starts][:, None]
         index = np.where(mask, index, starts[:, None])  # padding repeats the first step (masked out)
