@@ -585,9 +585,9 @@ TRAIN_RUNS = [
 #: the plain-PyTorch reference. (The dry run on the CPU replaces ``auto`` by ``eager``; ``--cuda-graph``
 #: is then ignored, so that run checks the plumbing only.)
 TRAIN_MODES = [
-    ("auto", ["--backend", "auto"]),
-    ("auto+graph", ["--backend", "auto", "--cuda-graph"]),
-    ("reference", ["--backend", "reference"]),
+    ("auto", ["--backend", "auto", "--cuda-graph", "off"]),
+    ("auto+graph", ["--backend", "auto", "--cuda-graph", "on"]),
+    ("reference", ["--backend", "reference", "--cuda-graph", "off"]),
 ]
 
 
@@ -671,8 +671,9 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
                   "--backend", "eager"]  # fmt: skip
     elif PAPER_GOALS_RESULTS.exists():
         flags += ["--reuse-results", str(PAPER_GOALS_RESULTS)]
-    if ctx.cuda_graph:  # not part of a trial's identity: reused trials stay valid
-        flags += ["--cuda-graph"]
+    # Not part of a trial's identity: reused trials stay valid. Without the flag the runs train eagerly
+    # (icrl-compare's default, --cuda-graph auto, would graph them on CUDA).
+    flags += ["--cuda-graph", "on" if ctx.cuda_graph else "off"]
     command = [sys.executable, "-m", "icrl_models.experiments.ngram_ad", *flags]
     sweep = dataclasses.replace(ctx, deadline=ctx.deadline - PAPER_GOALS_REPORT_SECONDS)
     code = sweep.run(command, "paper-goals.log")

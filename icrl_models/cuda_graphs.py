@@ -27,6 +27,7 @@ Used by ``icrl-train --cuda-graph`` (:mod:`icrl_models.train`; also ``icrl-compa
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,47 @@ from icrl_kernels._validation import check_device
 
 if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard
+
+
+#: ``--cuda-graph`` of every trainer: ``"auto"`` (the default) graphs the training steps on CUDA devices where
+#: nothing excludes it (``--compile``, data-parallel runs) and falls back to eager steps, with a one-line
+#: note, if a capture fails; ``"on"`` graphs them or fails with the reason; ``"off"`` never graphs. Off CUDA
+#: nothing changes (``"on"`` is ignored there with a note).
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+CUDA_GRAPH_HELP = (
+    "auto (default: on CUDA devices, each training step captured in one CUDA graph and replayed; eager "
+    "where a capture fails), on, or off; the flag alone means on; nothing changes off CUDA"
+)
+
+
+def cuda_graph_mode(value: object) -> str:
+    """``value`` as one of :data:`CUDA_GRAPH_MODES`; ``True`` / ``False`` (configs written before the modes)
+    are ``"on"`` / ``"off"``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in CUDA_GRAPH_MODES:
+        raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def use_cuda_graph(mode: str, device: torch.device, *, excluded: str | None = None) -> bool:
+    """Whether a trainer on ``device`` captures its steps in CUDA graphs, for ``--cuda-graph mode``.
+
+    ``excluded``: why graphs cannot run in this run (``--compile``, a data-parallel run), or ``None``:
+    ``"auto"`` then trains eagerly, ``"on"`` raises ``ValueError`` with that text. Off CUDA, ``"on"`` prints
+    a one-line note on stderr and trains eagerly."""
+    mode = cuda_graph_mode(mode)
+    if mode == "off":
+        return False
+    if excluded is not None:
+        if mode == "on":
+            raise ValueError(excluded)
+        return False
+    if device.type != "cuda":
+        if mode == "on":
+            print(f"cuda_graph: ignored on {device} (CUDA only); training eagerly", file=sys.stderr)
+        return False
+    return True
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -298,7 +340,9 @@ class StepRunner:
     non-default CUDA generators the step draws from (see :func:`capture_train_step`). With ``guard`` (a
     :class:`~icrl_models.nonfinite.NonFiniteGuard` of this model and optimiser) every step is watched for a
     non-finite loss or gradient norm, inside the graph too. If the capture fails, the call raises
-    :class:`CaptureError` (nothing changed, see there), and so does every later call.
+    :class:`CaptureError` (nothing changed, see there), and so does every later call; with ``fallback``
+    (``--cuda-graph auto``) it prints the error on one line instead and runs this and every later step
+    eagerly.
     """
 
     def __init__(
@@ -309,6 +353,7 @@ class StepRunner:
         device: torch.device,
         *,
         cuda_graph: bool = False,
+        fallback: bool = False,
         generators: Sequence[torch.Generator] = (),
         guard: NonFiniteGuard | None = None,
     ) -> None:
@@ -317,6 +362,7 @@ class StepRunner:
         self.extra_state = guard.state_tensors() if guard is not None else []
         self.graphed = bool(cuda_graph) and self.device.type == "cuda"
         self.generators = tuple(generators)
+        self.fallback = fallback
         self.captured: GraphedTrainStep | None = None
         self.failure: CaptureError | None = None
         self.names: tuple[str, ...] = ()
@@ -339,6 +385,10 @@ class StepRunner:
                     extra_state=self.extra_state,
                 )  # fmt: skip
             except CaptureError as error:  # an op that cannot be captured: a bug of ours, with its traceback
+                if self.fallback:  # --cuda-graph auto: nothing was changed by the attempt; go on eagerly
+                    print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
+                    self.graphed = False
+                    return self.step(to_device(batch, self.device))
                 self.failure = CaptureError(f"cuda_graph: {error}; train without the CUDA graph (--cuda-graph off)")
                 raise self.failure from error
         if tuple(batch) != self.names:

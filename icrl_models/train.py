@@ -20,9 +20,9 @@ disk is one line with exit status 2 (docs/models.md, "Faults").
 
 Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
 shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
-``torch.compile``, and on CUDA ``--cuda-graph`` captures each training step (forward, backward, gradient
-clipping, AdamW) in one CUDA graph: on a GPU these models' steps are bound by the host's kernel launches,
-not by the device.
+``torch.compile``, and on CUDA each training step (forward, backward, gradient clipping, AdamW) is captured
+in one CUDA graph and replayed (``--cuda-graph auto``, the default; ``off`` trains eagerly, ``on`` fails where
+a graph cannot run): on a GPU these models' steps are bound by the host's kernel launches, not by the device.
 
 Action sets: models act on *positions* in an environment's action set (local indices), as the
 Headless-AD paper does; AD's head therefore has one output per position of the largest training set,
@@ -57,7 +57,16 @@ from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
-from .cuda_graphs import StepRunner, eager_optimizer_state, pinned, prepare_capturable, set_learning_rate
+from .cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    StepRunner,
+    cuda_graph_mode,
+    eager_optimizer_state,
+    pinned,
+    prepare_capturable,
+    set_learning_rate,
+    use_cuda_graph,
+)
 from .data import (
     GenerateConfig,
     HistoryWindows,
@@ -165,10 +174,7 @@ class TrainConfig:
         default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
     )
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
-    )
+    cuda_graph: str = dataclasses.field(default="auto", metadata={"help": CUDA_GRAPH_HELP, "const": "on"})
     track: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"help": f"log loss, lr, steps/s, eval returns to any of {TRACKERS}", "metavar": "NAME"}
     )
@@ -188,9 +194,9 @@ class TrainConfig:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
-        if self.cuda_graph and self.compile:
-            raise ValueError("cuda_graph and compile exclude each other: --compile traces the forward, --cuda-graph "
-                             "records the whole step; choose one")  # fmt: skip
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
+        if self.cuda_graph == "on" and self.compile:
+            raise ValueError(_COMPILE_EXCLUDES_GRAPHS)
         # Everything is checked here, before minutes of data generation, so that a typo fails at once.
         check_training_fields(self)
         for name in ("seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task", "num_histories",
@@ -396,13 +402,20 @@ def train(config: TrainConfig) -> dict:
         return _train(config)
 
 
+_COMPILE_EXCLUDES_GRAPHS = (
+    "cuda_graph and compile exclude each other: --compile traces the forward, --cuda-graph records the whole step; "
+    "choose one"
+)
+
+
 def _train(config: TrainConfig) -> dict:
     ddp = Distributed(config.device)
-    graphed = config.cuda_graph and ddp.device.type == "cuda"
-    if config.cuda_graph and ddp.world_size > 1:
-        raise ValueError("cuda_graph does not support data-parallel runs (torchrun): leave out --cuda-graph")
-    if config.cuda_graph and not graphed and ddp.is_main:
-        print(f"cuda_graph: ignored on {ddp.device} (CUDA only); training eagerly", file=sys.stderr)
+    excluded = None
+    if ddp.world_size > 1:
+        excluded = "cuda_graph does not support data-parallel runs (torchrun): use --cuda-graph off"
+    elif config.compile:
+        excluded = _COMPILE_EXCLUDES_GRAPHS
+    graphed = use_cuda_graph(config.cuda_graph, ddp.device, excluded=excluded)
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -480,7 +493,7 @@ def _train(config: TrainConfig) -> dict:
     last_log = (step, time.perf_counter())
     run_step = StepRunner(
         lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
-        cuda_graph=graphed, guard=guard,
+        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
     )  # fmt: skip
     try:
         while step < config.steps:

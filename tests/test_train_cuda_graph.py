@@ -316,6 +316,50 @@ def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu
     assert len(calls) == attempts, "a failed runner must not capture again"
 
 
+def test_auto_mode_falls_back_to_eager_steps_when_the_capture_fails(capturable_on_cpu, monkeypatch, capsys):
+    """``--cuda-graph auto`` (StepRunner's ``fallback``): a failed capture prints one line and the run goes on
+    eagerly from the same state, so it trains exactly as an eager run."""
+    results = {}
+    for fallback in (None, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        step, _ = _linear_step(model, optimizer, read_on_call=3 if fallback else None)
+        runner = cuda_graphs.StepRunner(
+            lambda batch, step=step: step(batch["x"]), model, optimizer, torch.device("cpu"), fallback=bool(fallback)
+        )
+        if fallback:
+            _EmulatedGraphs(model, optimizer).install(monkeypatch)
+            runner.graphed = True
+        torch.manual_seed(1)
+        results[fallback] = torch.stack([runner({"x": torch.randn(4, 3)}) for _ in range(4)])
+    assert not runner.graphed and "training eagerly (--cuda-graph off skips this)" in capsys.readouterr().err
+    torch.testing.assert_close(results[True], results[None], rtol=0, atol=0)
+
+
+def test_cuda_graph_modes():
+    """auto graphs on CUDA unless something excludes it, on insists (or notes that it is ignored off CUDA), off
+    never graphs; bools of older configs are on / off; the flag alone means on."""
+    from icrl_models.config import add_config_arguments, config_from_args, make_parser
+    from icrl_models.cuda_graphs import cuda_graph_mode, use_cuda_graph
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_cuda_graph("auto", cuda) and use_cuda_graph("on", cuda)
+    assert not use_cuda_graph("off", cuda) and not use_cuda_graph("auto", cpu)
+    assert not use_cuda_graph("auto", cuda, excluded="--compile excludes graphs")
+    with pytest.raises(ValueError, match="--compile excludes graphs"):
+        use_cuda_graph("on", cuda, excluded="--compile excludes graphs")
+    assert (cuda_graph_mode(True), cuda_graph_mode(False)) == ("on", "off")
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        cuda_graph_mode("yes")
+    parser = make_parser("icrl-train", None)
+    add_config_arguments(parser, TrainConfig)
+    for argv, mode in (([], "auto"), (["--cuda-graph"], "on"), (["--cuda-graph", "off"], "off")):
+        assert config_from_args(TrainConfig, parser.parse_args(argv)).cuda_graph == mode
+    assert TrainConfig(compile=True).cuda_graph == "auto"  # auto gives way to --compile: no error
+
+
 def test_capture_needs_two_warm_up_steps(capturable_on_cpu):
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
@@ -426,7 +470,7 @@ def test_cuda_graph_is_ignored_off_cuda_with_a_note(tmp_path, capsys):
     eager = _tiny(tmp_path / "eager", "ngram_ad", "dark_room", backend="eager", device="cpu")
     flagged = _tiny(tmp_path / "flagged", "ngram_ad", "dark_room", backend="eager", device="cpu", cuda_graph=True)
     train(eager)
-    capsys.readouterr()
+    assert "cuda_graph" not in capsys.readouterr().err  # the default, auto: nothing to say off CUDA
     train(flagged)
     assert "cuda_graph: ignored on cpu" in capsys.readouterr().err
     assert [row["loss"] for row in _rows(flagged)] == [row["loss"] for row in _rows(eager)]

@@ -42,6 +42,7 @@ from .._checks import check_float
 from .._cli import command_line
 from ..analysis import reward_dependence
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data import HistoryWindows, generate_histories, local_action_batch
 from ..files import save_figure, write_json
 from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
@@ -175,8 +176,8 @@ class HeadlessExperimentConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False, metadata={"help": "CUDA only: replay each training step from a CUDA graph (icrl-train)"}
+    cuda_graph: str = dataclasses.field(
+        default="auto", metadata={"help": f"--cuda-graph of each run (icrl-train): {CUDA_GRAPH_HELP}", "const": "on"}
     )
     nonfinite: str = dataclasses.field(
         default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
@@ -196,6 +197,7 @@ class HeadlessExperimentConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         check_nonfinite_policy(self.nonfinite)
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")

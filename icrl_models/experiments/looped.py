@@ -32,7 +32,15 @@ from .._checks import check_int, check_training_fields
 from .._cli import command_line, resolve_device
 from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import prepare_capturable, set_learning_rate
+from ..cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    CaptureError,
+    cuda_graph_mode,
+    eager_optimizer_state,
+    prepare_capturable,
+    set_learning_rate,
+    use_cuda_graph,
+)
 from ..files import save_figure
 from ..function_classes import (
     BASELINES,
@@ -113,11 +121,11 @@ class LoopedExperimentConfig(SweepOptions):
     threads: int | None = _field("torch CPU threads (default: half the available cores, 1 to 4)")
     device: str = _field("cpu or cuda", "cpu")
     backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
-    cuda_graph: bool = _field(
-        "CUDA only: capture each training step (loops, backward, Adam step) in one CUDA graph per curriculum "
-        "stage and replay it; evaluation replays graphs of 50 loops",
-        False,
-    )
+    cuda_graph: str = dataclasses.field(
+        default="auto",
+        metadata={"help": f"{CUDA_GRAPH_HELP}; one graph of the whole step (loops, backward, Adam) per curriculum "
+                  "stage, and evaluation replays graphs of 50 loops", "const": "on"},
+    )  # fmt: skip
     eval_every: int = _field("steps between logged errors at k on 256 fixed prompts", 250)
     checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
     nonfinite: str = _field(NONFINITE_HELP, "stop")
@@ -125,6 +133,7 @@ class LoopedExperimentConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         fill_from_preset(self, PRESETS)
         check_training_fields(self)
         for name in ("n_dims", "n_points", "d_model", "n_heads", "unlooped_layers", "loops_start", "loops_end",
@@ -152,7 +161,8 @@ class LoopedExperimentConfig(SweepOptions):
     def points_schedule(self) -> Curriculum:
         return Curriculum(self.points_start, self.n_points, 2, self.curriculum_interval)
 
-    def model_config(self, looped: bool) -> LoopedConfig:
+    def model_config(self, looped: bool, graphed: bool = False) -> LoopedConfig:
+        """The model of the looped (or unlooped) run; ``graphed``: its no-grad loops replay CUDA graphs."""
         return LoopedConfig(
             n_dims=self.n_dims,
             max_points=self.n_points,
@@ -160,13 +170,13 @@ class LoopedExperimentConfig(SweepOptions):
             n_heads=self.n_heads,
             n_layers=1 if looped else self.unlooped_layers,
             backend=self.backend,
-            cuda_graph=self.cuda_graph and looped,
+            cuda_graph=graphed and looped,
         )
 
 
 #: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
 RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
-                   "checkpoint_every", "eval_every", "nonfinite",
+                   "checkpoint_every", "eval_every", "nonfinite", "cuda_graph",
                    *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
 
 
@@ -197,8 +207,8 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     """
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
-    model = LoopedTransformer(config.model_config(looped)).to(device)
-    graphed = config.cuda_graph and device.type == "cuda"
+    graphed = use_cuda_graph(config.cuda_graph, device)
+    model = LoopedTransformer(config.model_config(looped, graphed)).to(device)
     optimizer = make_optimizer(model.parameters(), config.learning_rate, capturable=graphed)
     generator = torch.Generator().manual_seed(config.seed + 1)
     function_class = config.function_class()
@@ -246,11 +256,19 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
             key = (tuple(xs.shape), loops, grad_loops)
             if key != graph_key:  # a new curriculum stage: a new graph (the old one's memory freed first)
                 graph = None
-                graph = make_graphed_train_step(
-                    model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype,
-                    guard=guard,
-                )  # fmt: skip
+                try:
+                    graph = make_graphed_train_step(
+                        model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype,
+                        guard=guard,
+                    )  # fmt: skip
+                except CaptureError as error:
+                    if config.cuda_graph == "on":
+                        raise
+                    # --cuda-graph auto: the attempt changed nothing; this and the later steps run eagerly.
+                    print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
+                    graphed = False
                 graph_key = key
+        if graphed:
             loss = graph(xs, ys)
         else:
             loss = watched_step(
@@ -274,7 +292,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
         if done % config.checkpoint_every == 0 or done == config.steps:
             history["wall_s"] = time.perf_counter() - start
             payload = {"version": CHECKPOINT_VERSION, "step": done, "config": identity, "model": model.state_dict(),
-                       "optimizer": optimizer.state_dict(), "rng": {"prompts": generator.get_state()},
+                       "optimizer": eager_optimizer_state(optimizer), "rng": {"prompts": generator.get_state()},
                        "history": history}  # fmt: skip
             save_checkpoint(payload, path)
             guard.saved(path, done)

@@ -97,7 +97,16 @@ from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import StepRunner, pinned, prepare_capturable, set_learning_rate, to_device
+from ..cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    StepRunner,
+    cuda_graph_mode,
+    pinned,
+    prepare_capturable,
+    set_learning_rate,
+    to_device,
+    use_cuda_graph,
+)
 from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
 from ..files import save_figure
@@ -293,10 +302,7 @@ class MarkovConfig(SweepOptions):
     )
     backend: str = dataclasses.field(default="auto", metadata={"help": "MoA kernel backend"})
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, ..."})
-    cuda_graph: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
-    )
+    cuda_graph: str = dataclasses.field(default="auto", metadata={"help": CUDA_GRAPH_HELP, "const": "on"})
     nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
     #: Tiny models gain nothing from intra-op threads on a shared CPU (see icrl-induction).
     num_threads: int = dataclasses.field(
@@ -313,6 +319,7 @@ class MarkovConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         fill_from_preset(self, PRESET_VALUES)
         # The command line gives tuples, markov.json lists, older callers comma strings: normalise to tuples.
         self.tasks = as_tuple(self.tasks, str, "tasks") or PRESET_VALUES[self.preset]["tasks"]
@@ -599,14 +606,14 @@ def run_task(
         lr=config.learning_rate, betas=(0.9, 0.95),
     )  # fmt: skip
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    graphed = config.cuda_graph and device.type == "cuda"
+    graphed = use_cuda_graph(config.cuda_graph, device)
     if graphed:  # the learning rate and step counters on the device, where the graph reads them
         prepare_capturable(optimizer)
     # Watches every step on the device; read at the G_Markov readings, where the loop reads the host anyway.
     guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
     run_step = StepRunner(
         lambda batch: dt_train_step(model, optimizer, batch, config.grad_clip, autocast), model, optimizer, device,
-        cuda_graph=graphed, guard=guard,
+        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
     )  # fmt: skip
     rng = np.random.default_rng(seed + 7)
     curve = {"step": [0], "loss": [float("nan")], "g_markov": [g_markov_now()]}

@@ -73,6 +73,7 @@ import numpy as np
 
 from .._cli import command_line
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data.generate import ENV_NAMES
 from ..envs.splits import DEFAULT_NUM_TRAIN_TASKS
 from ..files import save_figure
@@ -245,8 +246,8 @@ class CompareConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False, metadata={"help": "CUDA only: replay each run's training steps from a CUDA graph (icrl-train)"}
+    cuda_graph: str = dataclasses.field(
+        default="auto", metadata={"help": f"each run's --cuda-graph (icrl-train): {CUDA_GRAPH_HELP}", "const": "on"}
     )
     nonfinite: str = dataclasses.field(
         default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
@@ -265,6 +266,7 @@ class CompareConfig(SweepOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_nonfinite_policy(self.nonfinite)
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         if self.preset is not None:
             fill_from_preset(self, PRESETS)
         for name, value in DEFAULTS.items():
