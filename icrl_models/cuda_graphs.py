@@ -9,7 +9,8 @@ default CUDA generator can be recorded once and replayed:
 * :func:`capture_train_step` records ``step(*inputs)`` (forward, backward, gradient clipping and the
   optimiser step) with PyTorch's whole-network capture: warm-up on a side stream, static input buffers,
   one graph, replayed per batch. The optimiser must be ``torch.optim.Adam``/``AdamW`` with
-  ``capturable=True`` (the step counter and the learning rate live on the device);
+  ``capturable=True`` (the step counter and the learning rate live on the device), or one that keeps all
+  its state on the device by itself (:class:`~icrl_models.batched.RunAdamW`, many runs' AdamW);
   :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``.
 * :class:`StepRunner` runs a trainer's ``step(batch)`` on dict batches, eagerly or captured on the first
   batch and replayed; :func:`pinned` puts a CPU batch in pinned memory so that its copy to the GPU runs
@@ -107,7 +108,10 @@ class GraphedTrainStep:
         *,
         warmup_steps: int = 3,
     ) -> None:
-        _check_adam(optimizer)
+        # Adam / AdamW made capturable, or an optimiser that keeps every value on the device itself (the
+        # per-run AdamW of batched runs, icrl_models.batched.RunAdamW): every group says capturable=True.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
             raise ValueError(
                 "optimizer must have capturable=True to be captured in a CUDA graph "
