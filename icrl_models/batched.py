@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,13 @@ PER_RUN_FIELDS = (
     "eval_tasks", "eval_envs_per_task", "eval_distribution", "eval_num_arms", "eval_action_set", "sample_actions",
     "checkpoint_every", "log_every",
 )  # fmt: skip
+# On a CPU, SDPA's flash kernel has no vmap rule: vmap runs it once per run (and says so). Measured (2-core
+# VM, K = 4, N-Gram AD width 64, contexts 100 and 200), that per-run loop was 1.2-1.4x faster per step than
+# the math kernel vmap batches, and it is the single run's own kernel: the warning is left out.
+warnings.filterwarnings(
+    "ignore", message=r".*batching rule for aten::_scaled_dot_product_flash_attention_for_cpu", category=UserWarning
+)
+
 #: Model kinds a batch can train.
 BATCHED_MODELS = ("ad", "ngram_ad")
 #: The batch tensors a training step reads (the rest of a windows batch stays on the host).
@@ -586,8 +594,10 @@ class BatchedTrainer:
                 summaries[index] = summary
         return summaries  # type: ignore[return-value]
 
-    def _train_together(self, runs: list[_Run]) -> list[dict]:
-        shared = runs[0].config
+    def step_runner(self, runs: list[_Run]) -> tuple[StackedRuns, RunAdamW, StepRunner]:
+        """The batched model of ``runs`` (from their models, which it replaces), its optimiser (with the runs'
+        checkpointed states) and the runner of one training step (``run_step(next_batch(...)) -> [K, 2]``,
+        graphed with ``cuda_graph`` on CUDA): what the training loop (and ``benchmarks/bench_sweep.py``) steps."""
         device = self.device
         if device.type == "cuda" and runs[0].payload is not None and "cuda" in runs[0].payload["rng"]:
             torch.cuda.set_rng_state(runs[0].payload["rng"]["cuda"], device)  # the batch's dropout stream
@@ -606,6 +616,13 @@ class BatchedTrainer:
             lambda batch: batched_train_step(stacked, optimizer, batch, label_smoothing, max_norms, autocast),
             stacked, optimizer, device, cuda_graph=self.graphed,
         )  # fmt: skip
+        return stacked, optimizer, run_step
+
+    def _train_together(self, runs: list[_Run]) -> list[dict]:
+        shared = runs[0].config
+        device = self.device
+        configs = [run.config for run in runs]
+        stacked, optimizer, run_step = self.step_runner(runs)
         step = runs[0].step
         self.learning_rates = [learning_rate_at(max(step - 1, 0), c) for c in configs]
         tracker = Tracker((), Path(shared.out_dir), {})  # batched runs track nothing (batchable)
