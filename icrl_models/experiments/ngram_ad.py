@@ -39,6 +39,11 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   sweep where the CPU budget allowed a third seed for one setting only.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
+* **Batched runs** (``--batch-runs K``, or ``auto``: as many as the device's memory holds, 4 on a CPU): up to
+  ``K`` unfinished runs of one model shape (model, sequence length, pre-norm, qk-norm, ...) train as one
+  batched model (``icrl_models.batched``), each with its own data stream, hyperparameters, checkpoint,
+  metrics and evaluation in its own run folder, equal to its single run up to fp32 rounding (dropout masks
+  aside); the schedulers hand out whole batches, and a killed sweep resumes per run.
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
