@@ -158,6 +158,21 @@ def test_a_batch_draws_each_runs_windows_in_its_single_runs_order(tmp_path, draw
             assert np.array_equal(gathered[index * 4 : (index + 1) * 4], single[step]), (index, step)
 
 
+def test_runs_evaluated_on_different_tasks_in_one_batch_evaluate_as_alone(tmp_path):
+    """Evaluation settings are per run: environment counts that differ (rows padded in the batched rollout),
+    greedy and sampled actions; each run's evaluation is its single run's."""
+    settings = [dict(eval_tasks=2, eval_envs_per_task=1, sample_actions=True),
+                dict(eval_tasks=5, eval_envs_per_task=2, sample_actions=False),
+                dict(eval_tasks=3, eval_envs_per_task=1, sample_actions=True, num_train_tasks=30)]  # fmt: skip
+    together = [
+        dataclasses.replace(c, steps=3, **extra) for c, extra in zip(_runs(tmp_path, "ngram_ad", "b"), settings)
+    ]
+    for summary, config in zip(train_batched(together), together):
+        single = dataclasses.replace(config, out_dir=config.out_dir.replace("/b/", "/s/"))
+        assert _without_time(summary) == _without_time(train(single))
+    assert [s["num_envs"] for s in map(_without_time, train_batched(together))] == [2, 10, 3]
+
+
 # -- the folder a batched run leaves -----------------------------------------------------------------------------
 def _structure(value):
     """Keys, types, shapes and dtypes of a nested payload, without the values."""
