@@ -170,7 +170,7 @@ def test_runs_evaluated_on_different_tasks_in_one_batch_evaluate_as_alone(tmp_pa
     for summary, config in zip(train_batched(together), together):
         single = dataclasses.replace(config, out_dir=config.out_dir.replace("/b/", "/s/"))
         assert _without_time(summary) == _without_time(train(single))
-    assert [s["num_envs"] for s in map(_without_time, train_batched(together))] == [2, 10, 3]
+    assert [summary["num_envs"] for summary in train_batched(together)] == [2, 10, 3]
 
 
 # -- the folder a batched run leaves -----------------------------------------------------------------------------
