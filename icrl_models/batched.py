@@ -523,8 +523,9 @@ class _Run:
     rng: np.random.Generator
     torch_state: torch.Tensor
     step: int = 0
+    #: The checkpoint it resumed from (None: a fresh run), its open ``metrics.jsonl`` and last log point.
     payload: dict | None = None
-    metrics = None
+    metrics: object = None
     last_log: tuple = (0, 0.0)
 
 
@@ -540,6 +541,7 @@ class BatchedTrainer:
         if shared.cuda_graph and not self.graphed:
             print(f"cuda_graph: ignored on {self.device} (CUDA only); training eagerly", file=sys.stderr)
         self.start_time = time.perf_counter()
+        self.learning_rates: list[float] = []  # each run's at the last step, for its log rows and checkpoint
         self.runs = self._load_runs()
 
     def _load_runs(self) -> list[_Run]:
@@ -557,7 +559,8 @@ class BatchedTrainer:
             histories = histories_by_path[path]
             key = (path, config.seq_len, config.episode_subsample)
             if key not in windows_by_key:  # runs on the same data share one index of windows
-                windows_by_key[key] = HistoryWindows(histories, *key[1:2], episode_subsample=key[2])
+                windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+                windows_by_key[key] = windows
             torch.manual_seed(config.seed)
             model = config.build_model(histories)
             run = _Run(config, histories, windows_by_key[key], model, np.random.default_rng([config.seed, 0]),
