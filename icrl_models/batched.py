@@ -362,6 +362,9 @@ class RunAdamW(torch.optim.Optimizer):
     :meth:`load_run_state_dict`, so checkpoints are those of single runs.
     """
 
+    #: Every value lives on the device: a CUDA graph can capture its step (cuda_graphs.GraphedTrainStep).
+    graph_capturable = True
+
     def __init__(
         self,
         flat: torch.Tensor,

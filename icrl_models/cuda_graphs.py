@@ -108,10 +108,10 @@ class GraphedTrainStep:
         *,
         warmup_steps: int = 3,
     ) -> None:
-        # Adam / AdamW made capturable, or an optimiser that keeps every value on the device itself (the
-        # per-run AdamW of batched runs, icrl_models.batched.RunAdamW): every group says capturable=True.
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        # Adam / AdamW made capturable, or an optimiser that keeps every value on the device by design (the
+        # per-run AdamW of batched runs, icrl_models.batched.RunAdamW, says so with graph_capturable = True).
+        if not getattr(type(optimizer), "graph_capturable", False):
+            _check_adam(optimizer)
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
             raise ValueError(
                 "optimizer must have capturable=True to be captured in a CUDA graph "
