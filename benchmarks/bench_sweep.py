@@ -63,22 +63,11 @@ class Case(NamedTuple):
 
 GOALS_PAPER = dict(d_model=64, num_heads=4, num_layers=2, seq_len=200, batch_size=32, num_histories=32,
                    source_episodes=200)  # fmt: skip
+TINY = dict(d_model=16, num_heads=2, num_layers=1, seq_len=24, batch_size=4, num_histories=8, source_episodes=8)
 CASES = (
     [Case("goals-paper-K16", 16, **GOALS_PAPER), Case("goals-paper-K64", 64, **GOALS_PAPER)]
     if torch.cuda.is_available()
-    else [
-        Case(
-            "tiny-K4",
-            4,
-            d_model=16,
-            num_heads=2,
-            num_layers=1,
-            seq_len=24,
-            batch_size=4,
-            num_histories=8,
-            source_episodes=8,
-        )
-    ]  # fmt: skip
+    else [Case("tiny-K4", 4, **TINY)]
 )
 PARAMS = [
     pytest.param(case, mode, id=f"{case.name}-{mode}", marks=[pytest.mark.headline]) for case in CASES for mode in MODES
