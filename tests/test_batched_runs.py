@@ -24,6 +24,7 @@ from test_train_cuda_graph import _emulated_capture
 
 import icrl_models.batched as batched
 import icrl_models.cuda_graphs as cuda_graphs
+from icrl_kernels.testing import assert_close_rel
 from icrl_models.batched import (
     RunAdamW,
     RunDropout,
@@ -525,3 +526,45 @@ def test_batch_runs_flag(capsys):
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "batch_runs must be an int >= 1 or 'auto'" in err
     assert batched.auto_batch_runs(TrainConfig(device="cpu")) == batched.CPU_AUTO_BATCH
+
+
+# -- GPU -----------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["ngram_ad", "ad"])
+def test_batched_runs_on_cuda_follow_single_runs_graphed_or_not(tmp_path, kind):
+    """On a GPU (bf16 autocast, Triton kernels): a batch trained eagerly, the same batch with its whole step in
+    one CUDA graph, and each run trained alone (graphed) log losses and gradient norms that follow each other;
+    the batch evaluates and writes every run's files."""
+    settings = dict(device="cuda", backend="auto", steps=8, checkpoint_every=4)
+    eager = [dataclasses.replace(c, **settings) for c in _runs(tmp_path, kind, "eager")]
+    graphed = [dataclasses.replace(c, cuda_graph=True, **settings) for c in _runs(tmp_path, kind, "graphed")]
+    alone = [dataclasses.replace(c, cuda_graph=True, **settings) for c in _runs(tmp_path, kind, "alone")]
+    summaries = [train_batched(eager), train_batched(graphed), [train(config) for config in alone]]
+    assert all(np.isfinite(summary["final_return"]) for batch in summaries for summary in batch)
+    for index in range(len(RUN_SCALARS)):
+        for name in ("loss", "grad_norm"):
+            want = torch.tensor([row[name] for row in _training_rows(alone[index])])
+            for runs in (eager, graphed):
+                got = torch.tensor([row[name] for row in _training_rows(runs[index])])
+                assert_close_rel(got, want, rms_tol=2e-2, name=f"{kind} run {index}: {name}, {runs[0].out_dir}")
+        assert (Path(graphed[index].out_dir) / "eval.png").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batched_step_does_not_synchronise_on_cuda(tmp_path):
+    runs = [dataclasses.replace(c, device="cuda", backend="auto") for c in _runs(tmp_path, "ngram_ad", "sync")]
+    trainer = batched.BatchedTrainer(check_batch(runs))
+    stacked, optimizer, run_step = trainer.step_runner(trainer.runs)
+    first, second = (cuda_graphs.to_device(trainer.next_batch(trainer.runs, [1e-3] * 3), trainer.device)
+                     for _ in range(2))  # fmt: skip
+    run_step.step(first)  # warm-up: compiles, autotunes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats = run_step.step(second)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(stats).all() and stats.shape == (3, 2)
+    assert 0 < batched.auto_batch_runs(runs[0]) <= batched.CUDA_MAX_AUTO_BATCH
