@@ -84,9 +84,10 @@ PER_RUN_FIELDS = (
     "eval_tasks", "eval_envs_per_task", "eval_distribution", "eval_num_arms", "eval_action_set", "sample_actions",
     "checkpoint_every", "log_every",
 )  # fmt: skip
-# On a CPU, SDPA's flash kernel has no vmap rule: vmap runs it once per run (and says so). Measured (2-core
-# VM, K = 4, N-Gram AD width 64, contexts 100 and 200), that per-run loop was 1.2-1.4x faster per step than
-# the math kernel vmap batches, and it is the single run's own kernel: the warning is left out.
+# On a CPU, SDPA's flash kernel has no vmap rule: vmap runs it once per run (and says so). In a rough A/B on
+# the shared 2-core VM (K = 4, N-Gram AD width 64, contexts 100 and 200; other jobs running) that per-run loop
+# was faster per step than the math kernel vmap batches, and it is the single run's own kernel: the warning
+# is left out.
 warnings.filterwarnings(
     "ignore", message=r".*batching rule for aten::_scaled_dot_product_flash_attention_for_cpu", category=UserWarning
 )
