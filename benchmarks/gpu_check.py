@@ -159,7 +159,7 @@ FULL_SLICES = [
     ("full-looped", ["benchmarks/bench_looped.py", "benchmarks/bench_inject_layer_norm.py"], None),
     ("full-smeared", ["benchmarks/bench_smeared_keys.py"], None),
     ("full-attention", ["benchmarks/bench_gated_attention.py"], None),
-    ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py"], None),
+    ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py", "benchmarks/bench_sweep.py"], None),
 ]
 
 

@@ -90,6 +90,8 @@ NOT_SHAPE = {
     "roofline_fraction",
     "l2_cache_bytes",
     "steps_per_second",
+    "run_steps_per_second",
+    "run_steps_per_round",
     "env_steps_per_second",
     "transitions",
     "transitions_per_second",
@@ -237,6 +239,17 @@ OPS: dict[str, OpSpec] = {
     ),
     "ad_eval_step": OpSpec(
         "AD in-context evaluation step", ours={"cpu": ("incremental",)}, peers=("recompute",), roofline_target=False
+    ),
+    # Issue 44: the median is one training step of one run (bench_sweep.py); K = 64 on a GPU, K = 4 on the CPU.
+    "sweep_step": OpSpec(
+        "sweep: one training step of one run, batched runs against runs one at a time and worker processes",
+        ours={"cuda": ("batched",), "cpu": ("batched",)},
+        targets=(
+            Target("single", "speedup", 20, _field_at_least("runs", 64), "K = 64"),
+            Target("processes", "speedup", 3, _field_at_least("runs", 64), "K = 64"),
+            Target("single", "speedup", 1.5, lambda fields: fields.get("runs") == 4, "K = 4 (CPU, tiny)"),
+        ),
+        roofline_target=False,
     ),
 }
 

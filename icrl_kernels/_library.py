@@ -222,6 +222,35 @@ def inference_op(
     return _with_fast_call(op, fast)
 
 
+def fold_vmap_into_batch(op: CustomOpDef) -> CustomOpDef:
+    """Let ``torch.func.vmap`` run ``op`` as one call with the vmapped dimension folded into the batch.
+
+    For ops whose every tensor argument and output has a leading batch dimension ``B`` whose rows are
+    independent (the n-gram ops: one sequence per row). Under ``vmap`` over ``K`` slices, each tensor
+    argument becomes ``[K * B, ...]`` (an argument that is not vmapped is repeated for every slice), the op
+    runs once, and each output is split back into ``[K, B, ...]``: one launch for ``K`` models' sequences,
+    which is how many runs train as one batched program (:mod:`icrl_models.batched`). Only the forward
+    op needs the rule: a backward runs outside ``vmap``, on the folded tensors autograd saved. Returns ``op``.
+    """
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        size = info.batch_size
+        folded = []
+        for arg, dim in zip(args, in_dims):
+            if isinstance(arg, torch.Tensor):
+                arg = arg.movedim(dim, 0) if dim is not None else arg.expand(size, *arg.shape)
+                arg = arg.reshape(size * arg.shape[1], *arg.shape[2:])
+            folded.append(arg)
+        output = op(*folded)
+        split = [t.reshape(size, t.shape[0] // size, *t.shape[1:]) for t in _as_tuple(output)]
+        if isinstance(output, tuple):
+            return tuple(split), (0,) * len(split)
+        return split[0], 0
+
+    op.register_vmap(rule)
+    return op
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 

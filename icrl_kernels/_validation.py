@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+_functorch = torch._C._functorch  # is_batchedtensor / get_unwrapped: tensors inside torch.func.vmap
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -296,13 +298,19 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
 
     This is the only place an op may read a tensor value on the host (a test scans the package for
     others). ``message`` names the argument and the rule; ``details`` (optional) returns extra text, such
-    as offending values, and runs only when a synchronous check fails.
+    as offending values, and runs only when a synchronous check fails. Under ``torch.func.vmap`` (batched
+    training of many runs, :mod:`icrl_models.batched`) ``bad`` is reduced over the vmapped dimensions
+    first: the check fails when any slice is bad, and ``details`` is left out.
     """
     if _value_check_mode == "off":
         return
+    batched = _functorch.is_batchedtensor(bad)
+    while _functorch.is_batchedtensor(bad):  # inside torch.func.vmap: the check covers every vmapped slice
+        bad = _functorch.get_unwrapped(bad).any()
     if synchronous_value_checks(bad.device):
         if bool(bad):
-            raise ValueError(message + (details() if details is not None else ""))
+            # details() would read values of the vmapped tensors, which vmap forbids: the message alone there.
+            raise ValueError(message + (details() if details is not None and not batched else ""))
         return
     torch._assert_async(~bad, message)
 

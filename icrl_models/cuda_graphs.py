@@ -9,7 +9,8 @@ default CUDA generator can be recorded once and replayed:
 * :func:`capture_train_step` records ``step(*inputs)`` (forward, backward, gradient clipping and the
   optimiser step) with PyTorch's whole-network capture: warm-up on a side stream, static input buffers,
   one graph, replayed per batch. The optimiser must be ``torch.optim.Adam``/``AdamW`` with
-  ``capturable=True`` (the step counter and the learning rate live on the device);
+  ``capturable=True`` (the step counter and the learning rate live on the device), or one that keeps all
+  its state on the device by itself (:class:`~icrl_models.batched.RunAdamW`, many runs' AdamW);
   :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``. The last warm-up step runs
   under torch's sync-debug mode (a host read fails there, naming its line), and a failed capture raises
   :class:`CaptureError` with the model, optimiser and random generators as before.
@@ -231,7 +232,10 @@ class GraphedTrainStep:
         generators: Sequence[torch.Generator] = (),
         extra_state: Sequence[torch.Tensor] = (),
     ) -> None:
-        _check_adam(optimizer)
+        # Adam / AdamW made capturable, or an optimiser that keeps every value on the device by design (the
+        # per-run AdamW of batched runs, icrl_models.batched.RunAdamW, says so with graph_capturable = True).
+        if not getattr(type(optimizer), "graph_capturable", False):
+            _check_adam(optimizer)
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
             raise ValueError(
                 "optimizer must have capturable=True to be captured in a CUDA graph "

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -62,16 +62,23 @@ class TrainingDiverged(ReportedFailure):
     """
 
     def __init__(
-        self, step: int, loss: float, grad_norm: float, checkpoint: str | None, checkpoint_step: int | None
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        checkpoint: str | None,
+        checkpoint_step: int | None,
+        run: str | None = None,
     ) -> None:
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
-        self.checkpoint, self.checkpoint_step = checkpoint, checkpoint_step
+        self.checkpoint, self.checkpoint_step, self.run = checkpoint, checkpoint_step, run
         if checkpoint is None:
             kept = "no checkpoint had been saved"
         else:
             kept = f"the last good checkpoint, {checkpoint} (step {checkpoint_step}), is intact"
+        which = "training" if run is None else f"run {run}"
         super().__init__(
-            f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped without saving "
+            f"{which} diverged at step {step}: loss {loss}, gradient norm {grad_norm}; stopped without saving "
             f"({kept}; --nonfinite skip skips such steps instead)"
         )
 
@@ -87,9 +94,15 @@ class NonFiniteGuard:
         policy: ``"stop"`` or ``"skip"`` (:data:`NONFINITE_POLICIES`).
         step: the steps already done (a resumed run's checkpoint step): the next watched step is ``step + 1``.
         log: where :meth:`check` reports skipped steps (default: a line on stderr).
+        runs: ``K`` for a batch of runs stacked along a leading run dimension (:mod:`icrl_models.batched`): the
+            step returns ``[K, 2]`` statistics, each run's first non-finite step is kept apart, and under
+            ``"skip"`` only the runs whose step was not finite are undone (every state tensor has the run
+            dimension first). ``None``: one run.
+        run_names: with ``runs``, how :meth:`check`'s message names each run (default: its index).
 
     The device state (:meth:`state_tensors`): the steps seen, the first non-finite step (-1: none), its loss
-    and gradient norm, and the number of non-finite steps (those skipped, under ``"skip"``).
+    and gradient norm, and the number of non-finite steps (those skipped, under ``"skip"``); per run with
+    ``runs``.
     """
 
     def __init__(
@@ -100,20 +113,27 @@ class NonFiniteGuard:
         policy: str = "stop",
         step: int = 0,
         log: Callable[[str], None] | None = None,
+        runs: int | None = None,
+        run_names: Sequence[str] | None = None,
     ) -> None:
         self.policy = check_nonfinite_policy(policy)
         self.model, self.optimizer = model, optimizer
         self.device = next(model.parameters()).device
         self.log = log if log is not None else functools.partial(print, file=sys.stderr)
-        if self.policy == "skip" and self.device.type == "cuda":
+        if self.policy == "skip" and self.device.type == "cuda" and not getattr(type(optimizer), "graph_capturable", 0):
             from .cuda_graphs import prepare_capturable  # the step counters move to the device: no host read
 
             prepare_capturable(optimizer)
+        self.runs = runs
+        self.run_names = list(run_names) if run_names is not None else [str(i) for i in range(runs or 0)]
+        shape = () if runs is None else (runs,)
         self.steps = torch.tensor(int(step), dtype=torch.int64, device=self.device)
-        self.first_step = torch.tensor(-1, dtype=torch.int64, device=self.device)
-        self.first_values = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss, gradient norm
-        self.bad_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.first_step = torch.full(shape, -1, dtype=torch.int64, device=self.device)
+        self.first_values = torch.zeros(*shape, 2, dtype=torch.float32, device=self.device)  # loss, gradient norm
+        self.bad_steps = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.checkpoint: tuple[str, int] | None = None
+        self.checkpoints: dict[int, tuple[str, int]] = {}  # per run, with runs
+        self._reported_by_run: dict[int, int] = {}
         self._reported_skips = 0
         self._backups: dict[tuple, torch.Tensor] = {}
 
@@ -124,13 +144,14 @@ class NonFiniteGuard:
     # -- inside the training step (device ops only) ---------------------------------------------------
     def watch(self, step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``step`` wrapped: :meth:`before_step`, ``step(*args)``, :meth:`after_step` on what it returns, which
-        must be the loss (0-d) or a 1-D tensor whose first two entries are the loss and the gradient norm."""
+        must be the loss (0-d) or a tensor whose last dimension starts with the loss and the gradient norm
+        (``[2+]``; ``[K, 2+]`` with ``runs``)."""
 
         @functools.wraps(step)
         def watched(*args, **kwargs) -> torch.Tensor:
             self.before_step()
             out = step(*args, **kwargs)
-            self.after_step(out) if out.dim() == 0 else self.after_step(out[0], out[1])
+            self.after_step(out) if out.dim() == 0 else self.after_step(out[..., 0], out[..., 1])
             return out
 
         return watched
@@ -158,18 +179,28 @@ class NonFiniteGuard:
             if grad_norm is None:
                 grads = [p.grad for p in self.model.parameters() if p.grad is not None]
                 grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-            values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
-            bad = ~torch.isfinite(values).all()
+            shape = self.first_step.shape  # () or [K]
+            values = torch.stack([loss.detach().float().reshape(shape), grad_norm.detach().float().reshape(shape)], -1)
+            bad = ~torch.isfinite(values).all(-1)
             self.steps.add_(1)
             first = bad & (self.first_step < 0)
             self.first_step.copy_(torch.where(first, self.steps, self.first_step))
-            self.first_values.copy_(torch.where(first, values, self.first_values))
+            self.first_values.copy_(torch.where(first[..., None], values, self.first_values))
             self.bad_steps.add_(bad.long())
             if self.policy == "skip":
                 for key, tensor in self._state():
                     backup = self._backups.get(key)
-                    tensor.copy_(torch.where(bad, backup if backup is not None else 0, tensor))
+                    undo = self._per_run(bad, tensor, key)
+                    tensor.copy_(torch.where(undo, backup if backup is not None else 0, tensor))
         return bad
+
+    def _per_run(self, bad: torch.Tensor, tensor: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``bad`` (``[K]`` with runs) broadcast over ``tensor``, whose first dimension must be the run's."""
+        if self.runs is None:
+            return bad
+        if tensor.dim() == 0 or tensor.shape[0] != self.runs:
+            raise ValueError(f"nonfinite skip of {self.runs} runs: state {key} has no leading run dimension")
+        return bad.view(-1, *([1] * (tensor.dim() - 1)))
 
     def _state(self):
         """``(key, tensor)`` of everything a step changes: parameters and persistent buffers, optimiser state."""
@@ -181,14 +212,21 @@ class NonFiniteGuard:
                     yield ("optimizer", id(param), name), value
 
     # -- on the host, where the trainer reads the device anyway ----------------------------------------
-    def saved(self, path: str | Path, step: int) -> None:
-        """Note that the checkpoint ``path`` of ``step`` was written (after :meth:`check` passed)."""
-        self.checkpoint = (str(path), int(step))
+    def saved(self, path: str | Path, step: int, run: int | None = None) -> None:
+        """Note that the checkpoint ``path`` of ``step`` (of run ``run`` with ``runs``) was written (after
+        :meth:`check` passed)."""
+        if run is None:
+            self.checkpoint = (str(path), int(step))
+        else:
+            self.checkpoints[run] = (str(path), int(step))
 
     def check(self) -> int:
         """One host read of the guard's state. Under ``"stop"``: raise :class:`TrainingDiverged` if a watched
-        step was not finite. Under ``"skip"``: report newly skipped steps through ``log``. Returns the number
-        of non-finite steps so far (0 under ``"stop"``, or it raises)."""
+        step was not finite (with ``runs``: the run that diverged first, named). Under ``"skip"``: report newly
+        skipped steps through ``log``. Returns the number of non-finite steps so far (0 under ``"stop"``, or it
+        raises; with ``runs``, summed over the runs)."""
+        if self.runs is not None:
+            return self._check_runs()
         first_step, loss, grad_norm, bad_steps = torch.stack(
             [self.first_step.double(), *self.first_values.double(), self.bad_steps.double()]
         ).tolist()
@@ -205,6 +243,26 @@ class NonFiniteGuard:
             )
             self._reported_skips = skipped
         return skipped
+
+    def _check_runs(self) -> int:
+        rows = torch.cat(
+            [self.first_step.double()[:, None], self.first_values.double(), self.bad_steps.double()[:, None]], 1
+        ).tolist()
+        diverged = [(int(first), run) for run, (first, _, _, bad) in enumerate(rows) if bad > 0]
+        if not diverged:
+            return 0
+        if self.policy == "stop":
+            first_step, run = min(diverged)
+            path, step = self.checkpoints.get(run, (None, None))
+            _, loss, grad_norm, _ = rows[run]
+            raise TrainingDiverged(first_step, loss, grad_norm, path, step, run=self.run_names[run])
+        for _, run in diverged:
+            skipped = int(rows[run][3])
+            if skipped > self._reported_by_run.get(run, 0):
+                self.log(f"icrl: run {self.run_names[run]}: skipped {skipped - self._reported_by_run.get(run, 0)} "
+                         f"non-finite step(s), {skipped} in all (the first at step {int(rows[run][0])})")  # fmt: skip
+                self._reported_by_run[run] = skipped
+        return sum(int(row[3]) for row in rows)
 
 
 __all__ = [

@@ -37,6 +37,7 @@ processes (gloo); each rank samples its own windows, rank 0 writes data, checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -369,28 +370,33 @@ def make_eval_env_factory(config: TrainConfig):
         num_tasks = config.eval_tasks or grid_task_split(config.env, num_train=config.num_train_tasks)["test"].size
         generate = config.generate_config("test", int(num_tasks) * config.eval_envs_per_task, 1)
         generate.num_tasks = config.eval_tasks
+    # A partial of a module-level function: ``make.args[0]`` tells which environments it builds (batched
+    # evaluation shares the references of runs evaluated on the same ones).
+    return functools.partial(_eval_env, generate)
 
-    def make(seed: int):
-        return build_env(dataclasses.replace(generate, seed=seed))[0]
 
-    return make
+def _eval_env(generate: GenerateConfig, seed: int):
+    return build_env(dataclasses.replace(generate, seed=seed))[0]
 
 
 def run_evaluation(
     model: ADModel | HeadlessADModel, config: TrainConfig, histories: LearningHistories, seed: int
 ) -> EvalReport:
+    return evaluate(model, **evaluation_settings(config, histories), seed=seed, progress=config.progress)
+
+
+def evaluation_settings(config: TrainConfig, histories: LearningHistories) -> dict:
+    """The keyword arguments of :func:`~icrl_models.evaluate.evaluate` that a run's config and training data
+    fix (all but the model, the seed and the progress bar)."""
     source = histories.metadata["generator"]
-    return evaluate(
-        model,
-        make_eval_env_factory(config),
-        num_episodes=config.eval_episodes,
-        source=make_agent(source["name"], **source["config"]),
-        source_episodes=int(histories.metadata["num_episodes"]),
-        episode_subsample=config.episode_subsample,
-        sample=config.sample_actions,
-        seed=seed,
-        progress=config.progress,
-    )
+    return {
+        "make_env": make_eval_env_factory(config),
+        "num_episodes": config.eval_episodes,
+        "source": make_agent(source["name"], **source["config"]),
+        "source_episodes": int(histories.metadata["num_episodes"]),
+        "episode_subsample": config.episode_subsample,
+        "sample": config.sample_actions,
+    }
 
 
 def train(config: TrainConfig) -> dict:
@@ -460,13 +466,9 @@ def _train(config: TrainConfig) -> dict:
         # redoes those steps, so drop them instead of logging every such step twice.
         _trim_metrics(metrics_path, step)
     ddp.barrier()
-    if step == config.steps:
-        finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
-        if finished:  # nothing left to do: no second evaluation (and no second row)
-            if ddp.is_main:
-                print(f"{run_dir} is already finished ({step} steps): final return "
-                      f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
-            return finished[-1] if ddp.is_main else {}
+    finished = finished_summary(config, step, quiet=not ddp.is_main)
+    if finished is not None:  # nothing left to do: no second evaluation (and no second row)
+        return finished if ddp.is_main else {}
 
     if graphed:  # the learning rate and step counters move to the device, where the graph reads them
         prepare_capturable(optimizer)
@@ -506,14 +508,10 @@ def _train(config: TrainConfig) -> dict:
             # Every rank (their gradients are all-reduced): raises if the run diverged ("stop"), before a NaN row.
             skipped = guard.check() if log_now else 0
             if metrics is not None and log_now:
-                now = time.perf_counter()
                 loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
-                record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
-                          "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
-                          "seconds": now - start_time}  # fmt: skip
+                record, last_log = metric_row(step, loss, learning_rate, grad_norm, last_log, start_time)
                 if config.nonfinite == "skip":
                     record["skipped_steps"] = skipped
-                last_log = (step, now)
                 metrics.write(record)
                 tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
                 bar.set_postfix(loss=f"{record['loss']:.3f}")
@@ -534,17 +532,7 @@ def _train(config: TrainConfig) -> dict:
         summary: dict = {}
         if ddp.is_main:
             report = run_evaluation(model, config, histories, seed=config.seed + 1)
-            json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
-            summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-            metrics.write({"step": step, "eval": summary})
-            tracker.log(step, _eval_scalars(summary))
-            print(report.table())
-            print(
-                f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
-                f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
-                f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
-                f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
-            )
+            summary = record_evaluation(report, config, step, metrics, tracker, start_time)
     finally:
         if metrics is not None:
             metrics.close()
@@ -554,6 +542,47 @@ def _train(config: TrainConfig) -> dict:
 
 
 _TRACKED = ("loss", "lr", "grad_norm", "steps_per_second")
+
+
+def finished_summary(config: TrainConfig, step: int, *, quiet: bool = False) -> dict | None:
+    """The final evaluation summary of a run whose checkpoint is at ``step``, when the run is finished (at
+    ``config.steps``, with its evaluation row in ``metrics.jsonl``), else None; says so on stderr."""
+    if step != config.steps:
+        return None
+    metrics_path = Path(config.out_dir) / "metrics.jsonl"
+    finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
+    if not finished:
+        return None
+    if not quiet:
+        print(f"{config.out_dir} is already finished ({step} steps): final return "
+              f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
+    return finished[-1]
+
+
+def metric_row(step: int, loss: float, learning_rate: float, grad_norm: float, last_log: tuple, start_time: float):
+    """A training row of ``metrics.jsonl`` at ``step`` and the new ``last_log`` ``(step, time)``; steps per
+    second are counted since ``last_log``."""
+    now = time.perf_counter()
+    record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
+              "steps_per_second": (step - last_log[0]) / (now - last_log[1]), "seconds": now - start_time}  # fmt: skip
+    return record, (step, now)
+
+
+def record_evaluation(report: EvalReport, config: TrainConfig, step: int, metrics, tracker, start_time: float) -> dict:
+    """Write a run's final evaluation: ``eval.json`` / ``eval.png``, its ``metrics.jsonl`` row and tracker
+    scalars; print its table and summary line. Returns the summary (with ``wall_seconds``)."""
+    json_path, png_path = report.save(config.out_dir, title=f"{config.model} on {config.env}, held-out tasks")
+    summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
+    metrics.write({"step": step, "eval": summary})
+    tracker.log(step, _eval_scalars(summary))
+    print(report.table())
+    print(
+        f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
+        f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
+        f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
+        f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
+    )
+    return summary
 
 
 def _eval_scalars(summary: dict) -> dict:
@@ -595,19 +624,21 @@ def train_step(
     """
     optimizer.zero_grad(set_to_none=True)
     with autocast:
-        loss = _loss(model, trained, local_action_batch(batch), config)
+        loss = run_loss(model, trained, local_action_batch(batch), config.label_smoothing)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
     return torch.stack([loss.detach().float(), grad_norm.float()])
 
 
-def _loss(model, trained, batch, config: TrainConfig) -> torch.Tensor:
+def run_loss(model, trained, batch, label_smoothing: float | torch.Tensor) -> torch.Tensor:
+    """A run's training loss on a :func:`local_action_batch` batch; ``trained`` is the module whose forward runs
+    (``model`` or its DDP / compiled wrapper). Batched runs call it under ``vmap`` with a per-run smoothing."""
     # Call the (possibly DDP-wrapped) module itself: DDP synchronises gradients through its forward.
     if isinstance(model, HeadlessADModel):
         return model.loss(batch, trained=trained, action_map=batch["action_map"])
     logits = trained(batch["states"], batch["local_prev_actions"], batch["prev_rewards"])
-    return action_loss(logits, {**batch, "actions": batch["local_actions"]}, config.label_smoothing)
+    return action_loss(logits, {**batch, "actions": batch["local_actions"]}, label_smoothing)
 
 
 def _cuda_rng_state(model) -> dict:
@@ -625,17 +656,18 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
     else:
         states = [rng.bit_generator.state]
     if ddp.is_main:
-        save_checkpoint(
-            {
-                "version": CHECKPOINT_VERSION,
-                "step": step,
-                "config": identity,
-                "model": model.state_dict(),
-                "optimizer": eager_optimizer_state(optimizer),
-                "rng": {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)},
-            },
-            path,
-        )
+        rng_states = {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)}
+        write_checkpoint(path, step, identity, model.state_dict(), eager_optimizer_state(optimizer), rng_states)
+
+
+def write_checkpoint(path, step: int, identity: dict, model_state: dict, optimizer_state: dict, rng: dict) -> None:
+    """A run's ``checkpoint.pt``: its model's ``state_dict``, its AdamW's (as a non-capturable optimiser saves
+    it), its random states (``{"numpy": [per rank], "torch": CPU state, "cuda": ...}``) and its identity."""
+    save_checkpoint(
+        {"version": CHECKPOINT_VERSION, "step": step, "config": identity, "model": model_state,
+         "optimizer": optimizer_state, "rng": rng},
+        path,
+    )  # fmt: skip
 
 
 @command_line("icrl-train")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 
 import pytest
 import torch
+from test_no_host_sync import HostReadDetector
 
 from icrl_kernels import set_value_checks
 from icrl_kernels.testing import poisoned_outputs
@@ -159,3 +161,77 @@ def fill_disk(monkeypatch):
         return FillingDisk(monkeypatch, folder, budget)
 
     return make
+
+
+class _RaisingHostReadDetector(HostReadDetector):
+    """torch's sync-debug mode ``"error"`` on the CPU: the first host read raises, at the line that reads."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.reads:
+            raise RuntimeError(f"called a synchronizing CUDA operation (emulated): {self.reads[0]}")
+        return result
+
+
+class _EmulatedGraph:
+    def __init__(self, record, output):
+        self.record, self.output = record, output
+
+    def replay(self):
+        self.output.copy_(self.record())
+
+
+class EmulatedCudaGraphs:
+    """``icrl_models.cuda_graphs._CudaGraphs`` on the CPU, so that ``GraphedTrainStep`` runs its whole procedure
+    here (warm-up, sync-debug step, restore, capture, failure clean-up, replays): torch's sync-debug mode is the
+    host-read detector raising at the first read; a "capture" runs the step once under the same detector (a host
+    read invalidates a real capture) and then undoes it, ``extra_state`` included (a real capture runs nothing);
+    a "replay" runs the step on the static inputs. What a real capture adds (recording kernels) needs a GPU."""
+
+    def __init__(self, model, optimizer, extra_state=()):
+        self.model, self.optimizer, self.extra_state, self.captures = model, optimizer, extra_state, 0
+
+    def __call__(self, device, generators=()):  # stands in for the class: _CudaGraphs(device, generators)
+        return self
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        yield
+
+    def host_syncs_raise(self):
+        return _RaisingHostReadDetector()
+
+    def generator_states(self):
+        return [torch.get_rng_state()]
+
+    def restore_generator_states(self, states):
+        torch.set_rng_state(states[0])
+
+    def capture(self, record):
+        from icrl_models import cuda_graphs
+
+        self.captures += 1
+        saved = cuda_graphs._snapshot(self.model, self.optimizer, self.extra_state)
+        rng = torch.get_rng_state()
+        try:
+            with _RaisingHostReadDetector():
+                output = record()
+        finally:
+            cuda_graphs._restore(saved, self.model, self.optimizer)
+            torch.set_rng_state(rng)
+        graph = _EmulatedGraph(record, output.detach().clone())
+        return graph, graph.output  # the static output, overwritten by each replay
+
+
+@pytest.fixture
+def emulated_cuda_graphs(monkeypatch):
+    """``install(model, optimizer, extra_state=()) -> EmulatedCudaGraphs``: CUDA graph capture emulated on the
+    CPU for the rest of the test (``StepRunner(...).graphed = True`` then takes the graphed path)."""
+    from icrl_models import cuda_graphs
+
+    def install(model, optimizer, extra_state=()):
+        graphs = EmulatedCudaGraphs(model, optimizer, extra_state)
+        monkeypatch.setattr(cuda_graphs, "_CudaGraphs", graphs)
+        return graphs
+
+    return install

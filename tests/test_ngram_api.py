@@ -400,3 +400,51 @@ def function_configs(which: str) -> tuple:
     from icrl_kernels.ngram import tiled_kernels
 
     return autotune_configs(getattr(tiled_kernels, f"_ngram_tiled_{which}_kernel"))
+
+
+# --- vmap: the run dimension of batched training folds into the batch ---------------------------
+
+
+def _vmap_cases() -> list:
+    """Every path's op once; the Triton sort path on CUDA only (under the interpreter it takes ~40 s here, and
+    its ops are the eager path's with another ``impl``)."""
+    cases = [("eager", "sort", "cpu"), ("reference", "auto", "cpu")]
+    cases += [("triton", "tiled", device) for device in triton_devices()]
+    cases += [("triton", "sort", device) for device in triton_devices() if device == "cuda"]
+    return [pytest.param(*case, id="-".join(case)) for case in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend, algorithm, device", _vmap_cases())
+def test_vmap_over_runs_equals_each_run_alone(backend, algorithm, device, dtype):
+    """``torch.func.vmap`` over a leading run dimension (icrl_models.batched: K models in one program) gives
+    each run's own output and gradient, with ids vmapped or shared by the runs, padding ids included; the
+    custom ops run once with the runs folded into their batch (fold_vmap_into_batch)."""
+    gen = torch.Generator().manual_seed(3)
+    runs, batch, length, dim = 3, 2, 11, 5  # odd sizes
+    h = torch.randn(runs, batch, length, dim, generator=gen).to(device, dtype).requires_grad_()
+    ids = torch.randint(0, 3, (runs, batch, length), generator=gen)
+    ids[1, 0, 4:6] = -1
+    ids = ids.to(device)
+    weight = torch.randn(runs, batch, length, dim, generator=gen).to(device, dtype)
+    kwargs = {"backend": backend} | ({"algorithm": algorithm} if backend == "triton" else {})
+    for shared in (False, True):
+        run_ids = ids[0].expand(runs, batch, length) if shared else ids
+        mapped = torch.vmap(lambda x, i: ngram_attention(x, i, 2, **kwargs), in_dims=(0, None if shared else 0))
+        out = mapped(h, ids[0] if shared else ids)
+        (grad,) = torch.autograd.grad((out * weight).sum(), h)
+        want = torch.stack([ngram_attention(h[k], run_ids[k], 2, **kwargs) for k in range(runs)])
+        (want_grad,) = torch.autograd.grad((want * weight).sum(), h)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), torch.stack([ngram_attention_reference(h[k].detach().float(),
+                                   run_ids[k], 2) for k in range(runs)]), rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
+def test_vmap_of_the_plan_op_folds_runs_into_the_batch():
+    ids = torch.randint(0, 4, (3, 2, 10), generator=torch.Generator().manual_seed(0))
+    perm, meta, count = torch.vmap(lambda i: _ngram_plan_op(i, 2, False))(ids)
+    for run in range(3):
+        want = build_ngram_plan(ids[run], 2)
+        assert torch.equal(perm[run], want.perm) and torch.equal(meta[run], want.meta)
+        assert torch.equal(count[run], want.count)

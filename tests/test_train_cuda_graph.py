@@ -10,7 +10,6 @@ the two modes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -94,7 +93,9 @@ def test_watched_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_pat
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_graphed_runner_with_a_guard_equals_the_eager_one(capturable_on_cpu, monkeypatch, tmp_path, policy):
+def test_graphed_runner_with_a_guard_equals_the_eager_one(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, tmp_path, policy
+):
     """The guard inside StepRunner's graphed path (capture emulated on the CPU): the capture's warm-up steps
     leave its counters as they were (the extra state restored), and a non-finite step in a replay is
     recorded at the step the eager runner records it, and (skip) undone alike."""
@@ -111,7 +112,7 @@ def test_graphed_runner_with_a_guard_equals_the_eager_one(capturable_on_cpu, mon
         optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
         prepare_capturable(optimizer)
         guard = NonFiniteGuard(net, optimizer, policy=policy, step=10, log=lambda line: None)
-        _EmulatedGraphs(net, optimizer, guard.state_tensors()).install(monkeypatch)
+        emulated_cuda_graphs(net, optimizer, guard.state_tensors())
         runner = cuda_graphs.StepRunner(
             lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
             torch.device("cpu"), guard=guard,
@@ -171,71 +172,9 @@ def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend,
     assert stats.shape == (2,) and torch.isfinite(stats).all()  # loss, gradient norm
 
 
-class _RaisingHostReadDetector(HostReadDetector):
-    """torch's sync-debug mode ``"error"`` on the CPU: the first host read raises, at the line that reads."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.reads:
-            raise RuntimeError(f"called a synchronizing CUDA operation (emulated): {self.reads[0]}")
-        return result
-
-
-class _EmulatedGraph:
-    def __init__(self, record, output):
-        self.record, self.output = record, output
-
-    def replay(self):
-        self.output.copy_(self.record())
-
-
-class _EmulatedGraphs:
-    """``cuda_graphs._CudaGraphs`` on the CPU, so that :class:`~icrl_models.cuda_graphs.GraphedTrainStep` runs its
-    whole procedure here (warm-up, sync-debug step, restore, capture, failure clean-up, replays): torch's
-    sync-debug mode is the host-read detector raising at the first read; a "capture" runs the step once under
-    the same detector (a host read invalidates a real capture) and then undoes it (a real capture runs nothing);
-    a "replay" runs the step on the static inputs. What a real capture adds (recording kernels) needs a GPU."""
-
-    def __init__(self, model, optimizer, extra_state=()):
-        self.model, self.optimizer, self.extra_state, self.captures = model, optimizer, extra_state, 0
-
-    def __call__(self, device, generators=()):  # stands in for the class: _CudaGraphs(device, generators)
-        return self
-
-    @contextlib.contextmanager
-    def side_stream(self):
-        yield
-
-    def host_syncs_raise(self):
-        return _RaisingHostReadDetector()
-
-    def generator_states(self):
-        return [torch.get_rng_state()]
-
-    def restore_generator_states(self, states):
-        torch.set_rng_state(states[0])
-
-    def capture(self, record):
-        self.captures += 1
-        saved = cuda_graphs._snapshot(self.model, self.optimizer, self.extra_state)
-        rng = torch.get_rng_state()
-        try:
-            with _RaisingHostReadDetector():
-                output = record()
-        finally:
-            cuda_graphs._restore(saved, self.model, self.optimizer)
-            torch.set_rng_state(rng)
-        graph = _EmulatedGraph(record, output.detach().clone())
-        return graph, graph.output  # the static output, overwritten by each replay
-
-    def install(self, monkeypatch):
-        monkeypatch.setattr(cuda_graphs, "_CudaGraphs", self)
-        return self
-
-
 @pytest.mark.parametrize("model, env", MODELS)
 def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
-    capturable_on_cpu, monkeypatch, tmp_path, model, env
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, tmp_path, model, env
 ):
     """StepRunner's graphed path (static inputs by name, warm-up on the first batch with a sync-debug step,
     restored, then the capture and the replays) around icrl-train's step trains exactly as its eager path, for
@@ -252,7 +191,7 @@ def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
         net = config.build_model(histories)
         optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
         prepare_capturable(optimizer)
-        graphs = _EmulatedGraphs(net, optimizer).install(monkeypatch)
+        graphs = emulated_cuda_graphs(net, optimizer)
         runner = cuda_graphs.StepRunner(
             lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
             torch.device("cpu"),
@@ -288,7 +227,9 @@ def _linear_step(model, optimizer, *, read_on_call=None):
 
 
 @pytest.mark.parametrize("read_on_call, where", [(3, "sync-debug warm-up step"), (4, "capture")])
-def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu, monkeypatch, read_on_call, where):
+def test_a_failed_capture_raises_one_error_and_changes_nothing(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, read_on_call, where
+):
     """A host read in the step fails the capture with one CaptureError, whether the sync-debug warm-up step
     (the third of three) or the capture itself (the fourth call) meets it; the model, the optimiser state and
     the random generator are as before the attempt; StepRunner does not try again."""
@@ -297,7 +238,7 @@ def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu
     optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
     prepare_capturable(optimizer)
     step, calls = _linear_step(model, optimizer, read_on_call=read_on_call)
-    graphs = _EmulatedGraphs(model, optimizer).install(monkeypatch)
+    graphs = emulated_cuda_graphs(model, optimizer)
     batch = {"x": torch.randn(4, 3)}
     before = {name: t.clone() for name, t in model.state_dict().items()}
     rng_before = torch.get_rng_state()
@@ -316,7 +257,9 @@ def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu
     assert len(calls) == attempts, "a failed runner must not capture again"
 
 
-def test_auto_mode_falls_back_to_eager_steps_when_the_capture_fails(capturable_on_cpu, monkeypatch, capsys):
+def test_auto_mode_falls_back_to_eager_steps_when_the_capture_fails(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, capsys
+):
     """``--cuda-graph auto`` (StepRunner's ``fallback``): a failed capture prints one line and the run goes on
     eagerly from the same state, so it trains exactly as an eager run."""
     results = {}
@@ -330,7 +273,7 @@ def test_auto_mode_falls_back_to_eager_steps_when_the_capture_fails(capturable_o
             lambda batch, step=step: step(batch["x"]), model, optimizer, torch.device("cpu"), fallback=bool(fallback)
         )
         if fallback:
-            _EmulatedGraphs(model, optimizer).install(monkeypatch)
+            emulated_cuda_graphs(model, optimizer)
             runner.graphed = True
         torch.manual_seed(1)
         results[fallback] = torch.stack([runner({"x": torch.randn(4, 3)}) for _ in range(4)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
+from .._library import differentiable_op, fold_vmap_into_batch
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -67,6 +67,7 @@ ngram_attention_op, ngram_attention_backward_op = differentiable_op(
     save=lambda inputs, output: inputs[1:],  # (perm, meta, count, impl)
     grad_inputs=(0,),
 )
+fold_vmap_into_batch(ngram_attention_op)
 
 
 def _tiled_forward(h: torch.Tensor, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +100,7 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
     grad_inputs=(0,),
     differentiable_outputs=1,
 )
+fold_vmap_into_batch(ngram_attention_tiled_op)
 
 ALGORITHMS = ("auto", "sort", "tiled")
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from .._library import inference_op
+from .._library import fold_vmap_into_batch, inference_op
 
 #: Bits of :attr:`NGramPlan.meta` (per sorted position k).
 SEGMENT_START = 1  # k starts a new n-gram segment
@@ -197,7 +197,7 @@ def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torc
     )
 
 
-_ngram_plan_op = inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake)
+_ngram_plan_op = fold_vmap_into_batch(inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake))
 
 
 def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:

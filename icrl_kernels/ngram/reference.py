@@ -24,7 +24,7 @@ def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
     for k in range(min(n, length)):
         query_ids = ids[:, (i - k).clamp(min=0).squeeze(1)].unsqueeze(2)  # [B, L, 1]
         key_ids = ids[:, (j - 1 - k).clamp(min=0).squeeze(0)].unsqueeze(1)  # [B, 1, L]
-        match &= (query_ids == key_ids) & (query_ids >= 0)
+        match = match & (query_ids == key_ids) & (query_ids >= 0)
     return match
 
 

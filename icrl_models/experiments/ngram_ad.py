@@ -39,6 +39,11 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   sweep where the CPU budget allowed a third seed for one setting only.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
+* **Batched runs** (``--batch-runs K``, or ``auto``: as many as the device's memory holds, 4 on a CPU): up to
+  ``K`` unfinished runs of one model shape (model, sequence length, pre-norm, qk-norm, ...) train as one
+  batched model (``icrl_models.batched``), each with its own data stream, hyperparameters, checkpoint,
+  metrics and evaluation in its own run folder, equal to its single run up to fp32 rounding (dropout masks
+  aside); the schedulers hand out whole batches, and a killed sweep resumes per run.
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
@@ -72,6 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from .._cli import command_line
+from ..batched import CPU_AUTO_BATCH, RunBatch, auto_batch_runs, group_runs, train_batched
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data.generate import ENV_NAMES
@@ -252,6 +258,13 @@ class CompareConfig(SweepOptions):
     nonfinite: str = dataclasses.field(
         default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
     )
+    batch_runs: str = dataclasses.field(
+        default="1",
+        metadata={"help": "train up to K runs of one model shape (sequence length, pre-norm, qk-norm, model) as one "
+                  "batched model, each with its own data, hyperparameters, folder and results; auto: as many as "
+                  f"the device's memory takes (a CPU: {CPU_AUTO_BATCH}). Default 1: one run at a time",
+                  "metavar": "K"},
+    )  # fmt: skip
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -276,6 +289,7 @@ class CompareConfig(SweepOptions):
             raise ValueError(f"hyperparameters must be one of {HYPERPARAMETERS}, got {self.hyperparameters!r}")
         if self.hyperparameters == "defaults":
             self.runs = 1  # one fixed assignment: more runs would repeat the same training
+        self.batch_runs = parse_batch_runs(self.batch_runs)
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         self.models = as_tuple(self.models, str, "models")
         if not self.models or len(set(self.models)) != len(self.models) or not set(self.models) <= set(MODELS):
@@ -455,7 +469,34 @@ def run_trial(config: TrainConfig) -> dict:
     "source_success_rate" (None where the evaluation gives no success rate), "status", "wall_seconds",
     "summary"}``."""
     finished = _finished(config.out_dir)
-    summary = train(config)
+    return _outcome(train(config), finished)
+
+
+def run_trial_batch(batch: RunBatch) -> dict:
+    """``--batch-runs``: train the runs of ``batch`` as one batched model (:func:`~icrl_models.batched.train_batched`;
+    a batch of one run is :func:`run_trial`) and score each; ``{"outcomes": [run_trial's dict per run]}``."""
+    configs = [dataclasses.replace(config, threads=batch.threads) for config in batch.configs]
+    if len(configs) == 1:
+        return {"outcomes": [run_trial(configs[0])]}
+    finished = [_finished(config.out_dir) for config in configs]
+    return {"outcomes": [_outcome(summary, done) for summary, done in zip(train_batched(configs), finished)]}
+
+
+def parse_batch_runs(value) -> int | str:
+    """``--batch-runs``: an int >= 1 (a string of one) or ``"auto"``; a ``ValueError`` naming the flag otherwise."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value) if isinstance(value, str) else value
+    except ValueError:
+        count = None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"batch_runs must be an int >= 1 or 'auto', got {value!r}")
+    return count
+
+
+def _outcome(summary: dict, finished: bool) -> dict:
+    """A trial's outcome from its run's evaluation summary (see :func:`run_trial`)."""
     source, random = summary["source_final_return"], summary.get("random_final_return")
     return {
         "score": _number(summary["fraction_of_source"]),
@@ -549,11 +590,31 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
         print(f"{trials[to_run[index]].config.out_dir} ({outcome['status']}): {score} of the source's final return",
               file=sys.stderr)  # fmt: skip
 
-    if to_run:
+    if to_run and (config.batch_runs == 1 or config.report_only):
         ran = run_trials([trials[position].config for position in to_run], run_trial, sweep_options(config),
                          name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
         for position, outcome in zip(to_run, ran):
             outcomes[position] = outcome
+    elif to_run:  # --batch-runs: whole batches of runs go to the scheduler, each one trial
+        configs = [trials[position].config for position in to_run]
+        # Finished runs are read back alone (nothing trains); the others batch among themselves.
+        finished = [index for index, run in enumerate(configs) if _finished(run.out_dir)]
+        unfinished = [index for index in range(len(configs)) if index not in set(finished)]
+        grouped = group_runs([configs[index] for index in unfinished], _batch_size(config, configs))
+        batches = [[index] for index in finished] + [[unfinished[i] for i in batch] for batch in grouped]
+        work = [RunBatch(tuple(configs[index] for index in batch), threads=config.threads) for batch in batches]
+        print(f"icrl-compare: {len(configs)} runs in {len(work)} batches (--batch-runs {config.batch_runs})",
+              file=sys.stderr)  # fmt: skip
+
+        def report_batch(index: int, ran: dict) -> None:
+            for member, outcome in zip(batches[index], ran["outcomes"]):
+                report(member, outcome)
+
+        ran = run_trials(work, run_trial_batch, sweep_options(config), name=config.result_stem(),
+                         storage=out / "ray", on_outcome=report_batch)  # fmt: skip
+        for batch, result in zip(batches, ran):
+            for member, outcome in zip(batch, result["outcomes"]):
+                outcomes[to_run[member]] = outcome
     result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
     draws = draw_assignments(config.seeds, config.runs, config.hyperparameters)
     result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
@@ -571,6 +632,14 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
     plot(config, result, out / f"{stem}.png")
     print(tables + "\n\n" + trial_table(result))  # every trial's config, score and status (trained / reused)
     return result
+
+
+def _batch_size(config: CompareConfig, configs: Sequence[TrainConfig]) -> int:
+    """``--batch-runs`` as a number of runs: ``auto`` asks :func:`~icrl_models.batched.auto_batch_runs`, which
+    shares the device's memory among the batches that run at once (worker processes)."""
+    if config.batch_runs != "auto":
+        return config.batch_runs
+    return auto_batch_runs(configs[0], share=sweep_options(config).trials_at_once(len(configs)))
 
 
 def _emp_rows(runs: int) -> list[int]:

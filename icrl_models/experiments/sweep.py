@@ -3,7 +3,9 @@ Ray Tune trials (the ``sweep`` extra).
 
 A trial is one training run: an ``icrl-train`` run (a :class:`~icrl_models.train.TrainConfig` with its own
 run folder) for ``icrl-compare`` and ``icrl-headless --ablations``, or a small dataclass naming one run of
-``icrl-markov``, ``icrl-looped`` or ``icrl-induction``. The experiment gives :func:`run_trials` the trials
+``icrl-markov``, ``icrl-looped`` or ``icrl-induction``; with ``icrl-compare --batch-runs K`` a trial is a
+:class:`~icrl_models.batched.RunBatch` of up to ``K`` runs trained as one batched model, so every scheduler
+hands out whole batches. The experiment gives :func:`run_trials` the trials
 and the module-level function that runs one; it gets the outcomes back in the trials' order, whichever way
 they ran, and gathers them exactly as before.
 
@@ -97,6 +99,14 @@ class SweepOptions:
         self.workers = check_int(self.workers, "workers", low=0)
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
+
+    def trials_at_once(self, trials: int) -> int:
+        """How many of ``trials`` trials run at the same time on this machine: ``workers`` (0: the CPUs here /
+        ``trial_cpus``) with the processes scheduler, one otherwise (locally; on Ray, one per GPU by default)."""
+        if self.scheduler != "processes":
+            return 1
+        workers = self.workers or max(1, int(_available_cpus() // self.trial_cpus))
+        return max(1, min(workers, trials))
 
     def uses_ray(self, trials: int = 2) -> bool:
         """Whether ``trials`` trials run on Ray: always with ``"ray"``; with ``"auto"`` when Ray Tune is
@@ -255,8 +265,7 @@ def _run_in_processes(
     ``spawn``-ed worker processes; each outcome is reported as it arrives, failures after all trials ended.
     An interrupt (Ctrl-C, a time limit's SIGINT) or a failing ``on_outcome`` terminates the workers at once."""
     threads, configs = _with_trial_threads(configs, options)
-    workers = options.workers or max(1, int(_available_cpus() // options.trial_cpus))
-    workers = max(1, min(workers, len(configs)))
+    workers = options.trials_at_once(len(configs))
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = [log_dir / f"trial-{index:04d}.log" for index in range(len(configs))]
     print(f"icrl: {len(configs)} trials, {workers} at a time in worker processes (logs in {log_dir})", file=sys.stderr)

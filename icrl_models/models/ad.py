@@ -314,18 +314,18 @@ class ADModel(nn.Module):
         """Actions ``[B]`` for one new step: a draw from the softmax over ``available [B, A]`` actions
         (``sample``, with ``generator``) or the argmax."""
         check_generator(generator)
+        available = self.head_availability(available)
+        return choose_actions(self.step(state, states_t, prev_actions_t, prev_rewards_t), available, sample, generator)
+
+    def head_availability(self, available: torch.Tensor) -> torch.Tensor:
+        """``available [B, A]`` padded to the head's ``num_actions`` outputs (``ValueError`` for a larger set)."""
         num_actions, offered = self.config.num_actions, available.shape[1]
         if offered > num_actions:
             raise ValueError(
                 f"AD's action head has {num_actions} outputs but the environment offers {offered} actions: "
                 "AD must be retrained for larger action sets"
             )
-        available = F.pad(available, (0, num_actions - offered), value=False)
-        logits = self.step(state, states_t, prev_actions_t, prev_rewards_t).float()
-        logits = logits.masked_fill(~available, -torch.inf)
-        if sample:
-            return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
-        return logits.argmax(dim=-1)
+        return F.pad(available, (0, num_actions - offered), value=False)
 
     @torch.no_grad()
     def step(self, state: ADDecodeState, states_t, prev_actions_t, prev_rewards_t) -> torch.Tensor:
@@ -339,6 +339,19 @@ class ADModel(nn.Module):
             x = block.step(x, position, ids, layer_state)
         state.steps += 1
         return self.action_head(self.final_norm(x))
+
+
+@torch.no_grad()
+def choose_actions(
+    logits: torch.Tensor, available: torch.Tensor, sample: bool, generator: torch.Generator | None
+) -> torch.Tensor:
+    """:meth:`ADModel.act`'s choice from ``logits [B, A]`` among ``available [B, A]`` actions: a draw from the
+    softmax (``sample``, with ``generator``) or the argmax. Batched evaluation (:mod:`icrl_models.batched`)
+    calls it per run, with that run's generator, so that each run draws what it draws alone."""
+    logits = logits.float().masked_fill(~available, -torch.inf)
+    if sample:
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+    return logits.argmax(dim=-1)
 
 
 class ADDecodeState:
@@ -360,13 +373,15 @@ class ADDecodeState:
                 )
 
 
-def action_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0) -> torch.Tensor:
+def action_loss(
+    logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float | torch.Tensor = 0.0
+) -> torch.Tensor:
     """Cross-entropy of ``logits [B, L, A]`` against ``batch["actions"]`` over unpadded steps (``batch["mask"]``)."""
     return masked_cross_entropy(logits, batch["actions"], batch["mask"], label_smoothing)
 
 
 def masked_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float = 0.0
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float | torch.Tensor = 0.0
 ) -> torch.Tensor:
     """Mean cross-entropy (fp32) of ``logits [..., A]`` against ``targets [...]`` over the steps where ``mask
     [...]`` (bool) is True; NaN when no step is.
@@ -374,11 +389,21 @@ def masked_cross_entropy(
     Padded steps are left out through ``ignore_index``, not by boolean indexing: ``logits[mask]`` has a
     shape that depends on the mask's values, so on a GPU every training step would wait for the device
     to count them, and the step could not be captured in a CUDA graph.
+
+    ``label_smoothing``: a float, or a 0-d tensor (the per-run value of runs trained as one batched model
+    under ``torch.func.vmap``, :mod:`icrl_models.batched`): the same loss as ``F.cross_entropy``'s, written
+    out, since ``F.cross_entropy`` takes a Python float only.
     """
     ignored = targets.masked_fill(~mask, _IGNORED)
-    return F.cross_entropy(
-        logits.flatten(0, -2).float(), ignored.flatten(), ignore_index=_IGNORED, label_smoothing=label_smoothing
-    )
+    flat_logits, flat_targets = logits.flatten(0, -2).float(), ignored.flatten()
+    if not isinstance(label_smoothing, torch.Tensor):
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=_IGNORED, label_smoothing=label_smoothing)
+    # (1 - e) * NLL(target) + e * mean over classes of -log p, averaged over the unpadded steps.
+    log_probs = F.log_softmax(flat_logits, dim=-1)
+    kept = flat_targets != _IGNORED
+    target_nll = -log_probs.gather(-1, flat_targets.clamp_min(0)[:, None])[:, 0]
+    smoothed = (1 - label_smoothing) * target_nll - label_smoothing * log_probs.mean(dim=-1)
+    return torch.where(kept, smoothed, 0.0).sum() / kept.sum()
 
 
 _IGNORED = -100  # cross_entropy's default ignore_index
@@ -388,4 +413,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "count_parameters", "masked_cross_entropy"]
+__all__ = [
+    "ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "choose_actions", "count_parameters",
+    "masked_cross_entropy",
+]  # fmt: skip
