@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 
+from icrl_kernels._backend import triton_available
 from icrl_kernels._cost import OpCost, roofline
 
 #: Wall time each timed benchmark aims for (seconds); rounds are chosen to fill it.
@@ -296,7 +297,7 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
     (``roofline_seconds``), which term binds (``roofline_bound``: ``"bytes"`` or ``"flops"``) and
     ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit), and ``autotune``: every
     config the warm-up calls timed, per newly tuned kernel and key
-    (:func:`icrl_kernels._triton.recorded_autotuning`).
+    (:func:`benchmarks.kernel_tools.recorded_autotuning`).
     """
 
     def run(
@@ -345,14 +346,12 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
 
 
 def _recorded_autotuning(device: torch.device):
-    """On CUDA, :func:`icrl_kernels._triton.recorded_autotuning` (the timing of every config the warm-up
+    """On CUDA, :func:`benchmarks.kernel_tools.recorded_autotuning` (the timing of every config the warm-up
     calls tune); elsewhere, or without Triton, an empty list."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not triton_available():
         return contextlib.nullcontext([])
-    try:
-        from icrl_kernels._triton import recorded_autotuning
-    except ImportError:
-        return contextlib.nullcontext([])
+    from .kernel_tools import recorded_autotuning
+
     return recorded_autotuning()
 
 

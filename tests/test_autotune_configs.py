@@ -10,7 +10,7 @@ element that a config's tiling never writes fails.
 On CUDA the shape is benchmark-sized with ragged edges (no dimension a multiple of every tile). Under
 ``TRITON_INTERPRET=1`` the same tests run on the CPU at a tiny shape (one or a few programs a launch):
 the CPU rehearsal of the GPU "configs" stage. The kernels come from
-:func:`icrl_kernels._triton.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
+:func:`benchmarks.kernel_tools.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
 (``test_every_autotuned_kernel_has_a_check`` fails until it has one).
 """
 
@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernel_tools import autotuned_kernels  # noqa: E402
 from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel modules need triton)
     gated_attention,
     gated_attention_reference,
@@ -32,7 +33,7 @@ from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel mo
     ngram_attention_reference,
     select_actions,
 )
-from icrl_kernels._triton import autotune_configs, autotuned_kernels, config_name, kernel_name  # noqa: E402
+from icrl_kernels._triton import autotune_configs, config_name, kernel_name  # noqa: E402
 from icrl_kernels.contrastive import action_logits_reference  # noqa: E402
 from icrl_kernels.testing import (  # noqa: E402
     RMS_TOLERANCE,

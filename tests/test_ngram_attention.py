@@ -414,12 +414,12 @@ def test_detector_catches_host_reads(monkeypatch):
     with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
         torch.unique(torch.ones(3))
     # Also inside a custom op (the plan is one): the former vocabulary read is caught.
-    from icrl_kernels.ngram import plan as plan_module
+    from icrl_kernels.ngram import function as ngram_function
 
-    original = plan_module.build_ngram_plan
-    monkeypatch.setattr(plan_module, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
+    original = ngram_function.build_ngram_plan
+    monkeypatch.setattr(ngram_function, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
     with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
-        plan_module._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, False)  # the PyTorch builder
+        ngram_function._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, False)  # the PyTorch builder
 
 
 @pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_DEVICES else []))

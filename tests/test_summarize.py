@@ -287,7 +287,7 @@ def test_autotune_table_absent_without_records(results_path):
 
 def test_recorded_autotuning_keeps_each_new_key_and_restores_run():
     pytest.importorskip("triton")
-    from icrl_kernels._triton import recorded_autotuning
+    from benchmarks.kernel_tools import recorded_autotuning
 
     class FakeAutotuner:  # the parts of triton's Autotuner the recorder reads (a GPU is needed to tune for real)
         def __init__(self):

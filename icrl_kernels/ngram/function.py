@@ -5,33 +5,49 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
-from .._validation import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
-    KERNEL_FLOAT_DTYPES,
-    check_choice,
-    check_int,
-    check_same_device,
-    check_shape,
-    check_tensor,
-    check_values,
-)
+from .._library import differentiable_op, inference_op
+from .._validation import check_choice
+from . import reference
+from .checks import ALGORITHMS, check_ids_and_n, check_ngram_attention_args, check_plan
 from .eager import ngram_backward_eager, ngram_forward_eager
-from .plan import NGramPlan, _ngram_plan_op
-from .reference import ngram_attention_reference
+from .plan import NGramPlan, build_ngram_plan
 
 
-def validate_ids_and_n(ids: object, n: object) -> tuple[torch.Tensor, int]:
-    """Check ``ids [B, L]`` (integer, non-empty) and ``n >= 1``; return ids as int64 and n as int."""
-    check_tensor(ids, "ids", ndim=2, dtypes=INT_DTYPES)
-    if ids.shape[0] == 0:
-        raise ValueError(f"ids must have a non-empty batch, got shape {tuple(ids.shape)}")
-    if ids.shape[1] == 0:
-        raise ValueError(f"ids must have at least one position, got shape {tuple(ids.shape)}")
-    return ids.long(), check_int(n, "n", min_value=1)
+# -- the plan (sort) ------------------------------------------------------------------------------
+def _ngram_plan(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tensors: from the Triton plan kernels when ``use_kernels`` (the Triton backend: five
+    launches instead of ~40, :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
+    if use_kernels:
+        from .plan_kernels import build_ngram_plan_triton  # needs triton: imported only here
+
+        return build_ngram_plan_triton(ids, n)
+    return tuple(build_ngram_plan(ids, n))
 
 
+def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        ids.new_empty(ids.shape, dtype=torch.int64),
+        ids.new_empty(ids.shape, dtype=torch.uint8),
+        ids.new_empty(ids.shape, dtype=torch.int32),
+    )
+
+
+_ngram_plan_op = inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake)
+
+
+def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
+    """Build the :class:`NGramPlan` of ``ids [B, L]`` for n-gram length ``n`` (a torch custom op).
+
+    Computing a plan costs one sort of ``B x L`` keys; layers that share ids and ``n`` can share it
+    through ``ngram_attention(..., plan=plan)``.
+    """
+    original_ids = ids
+    ids, n = check_ids_and_n(ids, n)
+    use_kernels = resolve_backend("auto", ids.device) == "triton"
+    return NGramPlan(*_ngram_plan_op(ids, n, use_kernels), ids=original_ids, n=n)
+
+
+# -- the sort path's op -----------------------------------------------------------------------------
 def _forward(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
         from .kernels import ngram_forward_triton
@@ -99,8 +115,6 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
     grad_inputs=(0,),
     differentiable_outputs=1,
 )
-
-ALGORITHMS = ("auto", "sort", "tiled")
 
 #: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
 #: is the tiled kernel, beyond it the sort path, from where the two crossed on a GPU.
@@ -212,16 +226,11 @@ def ngram_attention(
         ValueError: wrong ranks or shapes, empty ``ids``/``h``, ``n < 1``, devices that differ, an unknown
             ``backend`` or ``algorithm``, a ``plan`` of other ids or another ``n``.
     """
-    check_tensor(h, "h", ndim=3, dtypes=FLOAT_DTYPES)
-    ids, n = validate_ids_and_n(ids, n)
-    check_shape(ids, "ids", tuple(h.shape[:2]), "h.shape[:2]")
-    check_same_device(h=h, ids=ids)
-    if h.shape[2] == 0:
-        raise ValueError(f"h must have a non-empty feature dimension, got shape {tuple(h.shape)}")
+    ids, n = check_ngram_attention_args(h, ids, n)
     check_choice(algorithm, "algorithm", ALGORITHMS)
     if plan is not None:
         check_plan(plan, ids, n)
-    impl = resolve_backend(backend, h.device)
+    impl = resolve_backend(backend, h.device, kernel_inputs={"h": h})
     if algorithm == "tiled" and impl != "triton":
         raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
     length = h.shape[1]
@@ -231,10 +240,8 @@ def ngram_attention(
     if backend == "auto" and impl == "eager" and _cpu_auto_uses_dense(h, plan):
         impl = "reference"
     if impl == "reference":
-        return ngram_attention_reference(h, ids, n)
+        return reference.ngram_attention_reference(h, ids, n)
     if impl == "triton":
-        if h.dtype not in KERNEL_FLOAT_DTYPES:
-            raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
         if algorithm == "auto" or n > length:  # n > L: nothing matches; the sort path's plan is O(1) then
             algorithm = "tiled" if plan is None and length <= TILED_MAX_LENGTH[h.dtype] and n <= length else "sort"
         if algorithm == "tiled":
@@ -246,34 +253,27 @@ def ngram_attention(
     return ngram_attention_op(h, perm, meta, count, impl)
 
 
-def check_plan(plan: object, ids: torch.Tensor, n: int) -> NGramPlan:
-    """Check that ``plan`` is an :class:`NGramPlan` built from these ``ids [B, L]`` and this ``n``.
+def ngram_attention_reference(h: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The dense reference of :func:`ngram_attention` (:func:`.reference.ngram_attention_reference`, the op's
+    spec: ``A(n) @ h`` with each row divided by its match count, O(B L^2)) behind the same argument checks.
 
-    Shapes, device and ``n`` are compared on the host. If ``plan.ids`` is the very tensor given, its
-    version counter tells whether it was written in place since the build (then refused). Otherwise
-    the ids are compared element by element; that compare goes through
-    ``check_values`` (a device-side assert on CUDA, no host sync) and reads ``2 B L`` ids, nothing next
-    to ``h``.
+    Returns:
+        ``[B, L, D]`` in ``h.dtype``, computed in fp32 (fp64 for fp64 ``h``); differentiable w.r.t. ``h``.
 
     Raises:
-        TypeError: ``plan`` is not an :class:`NGramPlan`.
-        ValueError: it was built for another ``n``, another shape, device or other ids.
+        ValueError/TypeError naming the argument, as :func:`ngram_attention`.
     """
-    if not isinstance(plan, NGramPlan):
-        raise TypeError(f"plan must be an NGramPlan (from ngram_plan(ids, n)), got {type(plan).__name__}")
-    if plan.n != n:
-        raise ValueError(f"plan was built for n={plan.n}, but n={n}; build one with ngram_plan(ids, {n})")
-    for name in (*NGramPlan._fields, "ids"):
-        check_shape(getattr(plan, name), f"plan.{name}", tuple(ids.shape), "ids.shape")
-    check_same_device(ids=ids, **{"plan.ids": plan.ids})
-    if plan.ids is ids:
-        # The plan holds the tensor itself (no copy): an in-place write since the build cannot be told
-        # apart from one that kept the values, so any write is refused.
-        if ids._version != plan._ids_version:
-            raise ValueError("plan was built from ids that were modified in place since; build a new ngram_plan")
-    else:
-        check_values(
-            (plan.ids.long() != ids.long()).any(),
-            "plan was built from other ids than the ids given; build it with ngram_plan(ids, n)",
-        )
-    return plan
+    ids, n = check_ngram_attention_args(h, ids, n)
+    return reference.ngram_attention_reference(h, ids, n)
+
+
+def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The n-gram match pattern ``A [B, L, L]`` (bool) of token ids ``ids [B, L]``
+    (:func:`.reference.ngram_match_matrix`): ``A[b, i, j]`` is true iff ``j < i`` and the n-gram ending at
+    ``i`` equals the one ending at ``j - 1``, with no negative (padding) id in either.
+
+    Raises:
+        TypeError: non-integer ``ids``, a non-int ``n``. ValueError: ``ids`` not 2-D or empty, ``n < 1``.
+    """
+    ids, n = check_ids_and_n(ids, n)
+    return reference.ngram_match_matrix(ids, n)

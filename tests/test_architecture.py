@@ -1,0 +1,128 @@
+"""The packages' structure (docs/architecture.md): every module imports, no import cycle, and icrl_models uses
+only icrl_kernels' public API.
+
+The import graph is read statically from the source (``ast``): every ``import`` statement counts, at
+module level or inside a function (the kernel modules are imported inside the ops, so a cycle through
+such an import is still a cycle of the design, even when it does not fail at import time).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("icrl_kernels", "icrl_models")
+
+
+class Import(NamedTuple):
+    """One imported name: ``from <module> import <name>`` (``name`` is None for ``import <module>``)."""
+
+    importer: str
+    module: str
+    name: str | None
+    line: int
+
+
+def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every ``.py`` file of ``packages`` under ``root``."""
+    files = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def imports(root: Path, packages: tuple[str, ...]) -> Iterator[Import]:
+    """Every name imported by a module of ``packages`` (all ``import`` statements, at any depth), with
+    relative imports resolved to absolute module names."""
+    for module, path in module_files(root, packages).items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield Import(module, alias.name, None, node.lineno)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    yield Import(module, source, alias.name, node.lineno)
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports (``from package import submodule`` is an edge to the
+    submodule)."""
+    known = set(module_files(root, packages))
+    graph: dict[str, set[str]] = {module: set() for module in known}
+    for item in imports(root, packages):
+        target = f"{item.module}.{item.name}" if f"{item.module}.{item.name}" in known else item.module
+        if target in known and target != item.importer:
+            graph[item.importer].add(target)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first search, no recursion)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            target = next(stack[-1], None)
+            if target is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            elif target not in state:
+                state[target] = 1
+                path.append(target)
+                stack.append(iter(sorted(graph[target])))
+    return None
+
+
+@pytest.mark.parametrize("module", sorted(module_files(ROOT, PACKAGES)))
+def test_every_module_imports(module):
+    if "." in module and module.rsplit(".", 1)[-1].endswith("kernels") or module == "icrl_kernels._triton":
+        pytest.importorskip("triton")  # the kernel modules need it; everything else imports without
+    importlib.import_module(module)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph(ROOT, PACKAGES))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle(tmp_path):
+    """The check above can fail: a two-module cycle through a function-level import, and a three-module one."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from ..a import f\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+    (package / "sub" / "b.py").write_text("from .. import c\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    (package / "c.py").write_text("")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
+
+
+def test_walk_finds_every_module():
+    """``module_files`` sees the same modules as the import system (nothing missed by the static graph)."""
+    for package in PACKAGES:
+        walked = {info.name for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")}
+        assert walked | {package} == {name for name in module_files(ROOT, PACKAGES) if name.split(".")[0] == package}
