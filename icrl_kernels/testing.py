@@ -15,6 +15,18 @@ import torch
 from . import _library
 from ._backend import triton_available, triton_interpreter_enabled
 
+__all__ = [
+    "RMS_TOLERANCE",
+    "TESTED_DTYPES",
+    "assert_close_rel",
+    "fast_impls",
+    "fast_paths",
+    "forced_config",
+    "poisoned_outputs",
+    "relative_rms_error",
+    "triton_devices",
+]
+
 #: Relative-RMS tolerance by input dtype (docs/testing.md#parity-with-the-reference).
 RMS_TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-6, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -19,6 +21,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("icrl_kernels", "icrl_models")
+
+#: The public modules of icrl_kernels that icrl_models may import from, each by the names in its ``__all__``.
+PUBLIC_KERNEL_MODULES = ("icrl_kernels", "icrl_kernels.modules", "icrl_kernels.testing", "icrl_kernels.validation")
 
 
 class Import(NamedTuple):
@@ -126,3 +131,45 @@ def test_walk_finds_every_module():
     for package in PACKAGES:
         walked = {info.name for info in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")}
         assert walked | {package} == {name for name in module_files(ROOT, PACKAGES) if name.split(".")[0] == package}
+
+
+def private_kernel_imports(root: Path) -> list[str]:
+    """``icrl_models`` imports of ``icrl_kernels`` that are not public: a module outside
+    :data:`PUBLIC_KERNEL_MODULES`, or a name missing from that module's ``__all__``."""
+    public = {name: set(importlib.import_module(name).__all__) for name in PUBLIC_KERNEL_MODULES}
+    found = []
+    for item in imports(root, ("icrl_models",)):
+        if item.module.split(".")[0] != "icrl_kernels":
+            continue
+        if item.module not in public or (item.name is not None and item.name not in public[item.module]):
+            name = item.module if item.name is None else f"{item.module}.{item.name}"
+            found.append(f"{item.importer}:{item.line} imports {name}")
+    return found
+
+
+def test_icrl_models_uses_only_public_kernel_names():
+    assert private_kernel_imports(ROOT) == []
+
+
+def test_private_import_check_can_fail(tmp_path):
+    """The check above flags a private module, a private name and an unexported name."""
+    models = tmp_path / "icrl_models"
+    models.mkdir()
+    (models / "__init__.py").write_text(
+        "from icrl_kernels._validation import check_values\n"
+        "from icrl_kernels import _library\n"
+        "from icrl_kernels.ngram.reference import ngram_match_matrix\n"
+        "from icrl_kernels import ngram_attention\n"
+    )
+    assert private_kernel_imports(tmp_path) == [
+        "icrl_models:1 imports icrl_kernels._validation.check_values",
+        "icrl_models:2 imports icrl_kernels._library",
+        "icrl_models:3 imports icrl_kernels.ngram.reference.ngram_match_matrix",
+    ]
+
+
+def test_environments_import_without_torch():
+    """``icrl_models.envs`` (what gymnasium's plugin loading imports) pulls in neither torch nor icrl_kernels."""
+    code = "import sys, icrl_models.envs; print(sorted({'torch', 'icrl_kernels'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -26,6 +26,7 @@ NGRAM_FILE = Path(__file__).with_name("test_bad_input_ngram.py")
 NGRAM_NAMES = {
     "ngram_attention",
     "ngram_attention_reference",
+    "ngram_match_matrix",
     "ngram_plan",
     "NGramPlan",
     "NGramDecodeState",

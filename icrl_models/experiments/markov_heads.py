@@ -92,7 +92,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_float, check_int, check_training_fields
+from icrl_kernels.validation import check_int
+
+from .._checks import check_float, check_training_fields
 from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
@@ -343,7 +345,7 @@ class MarkovConfig(SweepOptions):
         check_training_fields(self)
         check_float(self.markov_scale, "markov_scale")  # finite: a NaN scale would make every weight NaN
         for name in ("num_histories", "episodes_per_history", "eval_every", "analysis_windows", "eval_envs"):
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
 
     def key_to_door_task_ids(self) -> np.ndarray:
         """Task ids ``key * 81 + door`` of :attr:`key_to_door_layouts`."""
