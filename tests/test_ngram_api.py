@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import NGramAttention, ngram_attention, ngram_attention_reference, resolve_backend, transition_ids
 from icrl_kernels._validation import KERNEL_FLOAT_DTYPES
 from icrl_kernels.ngram import function, reference
@@ -19,7 +20,7 @@ from icrl_kernels.ngram.function import (
 )
 from icrl_kernels.ngram.plan import build_ngram_plan
 from icrl_kernels.ngram.reference import ngram_attention_reference as dense_reference
-from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
+from icrl_kernels.testing import assert_close_rel, triton_devices
 
 IMPLS = ["eager"] + (["triton"] if triton_devices() else [])
 
@@ -369,7 +370,7 @@ def test_tiled_autotune_key():
 _OFFLINE_COMPILE_TILED = """
 import itertools
 from icrl_kernels.ngram import tiled_kernels
-from icrl_kernels.testing import compile_offline, config_jobs
+from benchmarks.kernel_tools import compile_offline, config_jobs
 
 # D = 512 (benchmarks/bench_ngram_attention.py; D = 64 and 256 specialise the same: multiples of 16) at
 # L = 1024, the longest L that algorithm="auto" sends to the tiled kernel; n = 1, 2 and 4 (N-Gram AD

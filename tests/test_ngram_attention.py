@@ -14,10 +14,11 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import icrl_kernels
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import NGramDecodeState, ngram_attention, ngram_attention_reference, ngram_plan, transition_ids
 from icrl_kernels.ngram.plan import SEGMENT_START, build_ngram_plan, ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
-from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
+from icrl_kernels.testing import assert_close_rel, triton_devices
 
 pytest.importorskip("triton")  # the kernel modules need it: an install without the `triton` extra skips this file
 from icrl_kernels.ngram import kernels as ngram_kernels  # noqa: E402
@@ -209,7 +210,7 @@ def test_non_contiguous_inputs(backend, algorithm, device):
 _OFFLINE_COMPILE = """
 import itertools
 from icrl_kernels.ngram import kernels, tiled_kernels
-from icrl_kernels.testing import CompileJob, compile_offline, config_jobs
+from benchmarks.kernel_tools import CompileJob, compile_offline, config_jobs
 
 # benchmarks/bench_ngram_attention.py (docs/performance.md#targets): D = 512 and 256 (the same specialisation: both
 # are multiples of 16, so they compile once), the sort path at L = 4096 (B = 16: chunks of 384, 11 a row),

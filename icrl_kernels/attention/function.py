@@ -101,7 +101,7 @@ def gated_attention(
 
     On the Triton backend one flash-attention kernel does all of it: the keys are smeared as its tiles
     are loaded and each head's output is gated before its only store, so neither the smeared keys nor the
-    ungated heads reach memory (the eager path writes both; see :mod:`icrl_kernels.attention.cost`).
+    ungated heads reach memory (the eager path writes both; see :mod:`benchmarks.cost.attention`).
     Apply any positional rotation (RoPE) to ``q`` and ``k`` before the call.
 
     Args:

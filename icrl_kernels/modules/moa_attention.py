@@ -30,12 +30,9 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "fused")
 
 #: The gated projection's output width ``3D + H`` is padded with zero rows to a multiple of this many
 #: elements (16 bytes in bf16/fp16), so that its row stride, and the q/k/v views' strides, are 16-byte
-#: aligned. cuBLAS's Hopper GEMM kernels need that alignment: at GPT-2 small (3D + H = 2316) the unpadded
-#: layer's three projection GEMMs (forward, input and weight gradient) ran on sm80 CUTLASS kernels built
-#: for 2-element alignment (``s16816gemm_bf16_..._align2``, 0.93-1.04 ms each) where the ungated layer's
-#: ran on Hopper ``nvjet_sm90`` kernels (0.32-0.45 ms); gated 5.3 ms against ungated 3.15 ms (H200,
-#: B = 64, L = 1024, bf16, torch.profiler, benchmarks/results/gpu-2026-11-26-h200-profile.md). Predicted
-#: with the padding: ~3.6 ms (1.15x ungated); not yet measured.
+#: aligned. cuBLAS's Hopper GEMM kernels need that alignment: unpadded (GPT-2 small: 3D + H = 2316), the
+#: gated layer's projections ran on 2-element-aligned sm80 kernels, ~3x slower than the ungated layer's
+#: (benchmarks/results/kernel-constants.md#moa-projection-alignment).
 PROJECTION_ALIGNMENT = 8
 
 

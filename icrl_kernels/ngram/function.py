@@ -117,44 +117,17 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
 )
 
 #: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
-#: is the tiled kernel, beyond it the sort path, from where the two crossed on a GPU.
-#: ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over ``L`` in
-#: fp32 and bf16 (``test_ngram_tiled_crossover``; ``gpu_check.py --stages ngram-crossover``).
-#:
-#: Measured (NVIDIA H200, torch 2.11 + Triton 3.6, 2026-11-26, one run of ``test_ngram_tiled_crossover``
-#: with ``ICRL_BENCH_SECONDS=0.3``; ``benchmarks/results/gpu-2026-11-26-h200-profile.md``), fwd + bwd ms,
-#: tiled / sort:
-#:
-#: * B = 8, D = 512, n = 2, fp32: L = 256 0.29 / 1.70, 512 0.32 / 2.06, 1024 0.56 / 2.06, 2048 1.40 / 1.71,
-#:   4096 4.47 / 2.07; bf16: 0.52 / 2.25, 0.27 / 1.93, 0.41 / 1.70, 0.72 / 2.01, 4096 1.66 / 1.61.
-#: * B = 32, D = 64, n = 1 and 2 (N-Gram AD's training shape), both dtypes: tiled 0.26-1.00 ms against
-#:   sort 1.38-1.83 ms at every L from 256 to 2048.
-#:
-#: The sort path costs ~1.7 ms at every length: it is host-bound (66 launches per fwd + bwd; at B = 16,
-#: L = 4096 its kernels keep the device busy 0.45-0.5 ms of the 1.8-2.0 ms, measured with torch.profiler),
-#: so the tiled kernel wins up to L = 2048 in both dtypes and loses (fp32) or ties (bf16) at 4096. fp16
-#: was not measured; it takes bf16's value (the same tensor-core dots).
-#:
-#: Re-measured after the sort path's plan moved into Triton kernels (fewer launches), on an NVIDIA H100
-#: (2026-11-27, same benchmark; ``benchmarks/results/gpu-2026-11-27-h100/ngram-crossover.md``), fwd + bwd
-#: ms, tiled / sort: B = 8, D = 512, n = 2, fp32: L = 256 0.67 / 1.10, 512 0.80 / 1.76, 1024 0.71 / 1.69,
-#: 2048 1.39 / 1.61, 4096 4.62 / 1.28; bf16: 1.10 / 1.03, 0.68 / 1.48, 1.01 / 1.56, 0.84 / 0.97,
-#: 4096 1.89 / 1.38. B = 32, D = 64: tiled 0.62-1.05 ms against sort 0.98-1.56 ms at every L to 2048. The
-#: crossover stays between 2048 and 4096. The sort path is still host-bound (~1-1.7 ms whatever L): in
-#: device time its two main kernels take 0.04 ms at B = 8, L = 1024, D = 512 fp32 (the autotuner's best
-#: configs) against the tiled kernels' 0.39 ms, so the crossover would move far down if the host cost
-#: went (a CUDA graph around the step): re-measure it then.
+#: is the tiled kernel, beyond it the sort path: the two crossed between 2048 and 4096 on an H200 and
+#: an H100 in fp32 and bf16 (fp16 takes bf16's value), the sort path being host-bound (launches) below.
+#: ``benchmarks/bench_ngram_attention.py::test_ngram_tiled_crossover`` measures it; the numbers are in
+#: ``benchmarks/results/kernel-constants.md#n-gram-tiled-vs-sort``.
 TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 2048, torch.float16: 2048, torch.bfloat16: 2048}
 
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
 #: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it; up to
 #: ``CPU_DENSE_MAX_LENGTH_WIDE`` for features at least ``CPU_WIDE_DIM`` wide, where the sort path's
-#: per-column segmented scans cost more. Measured with ``benchmarks/ngram_cpu_crossover.py`` (forward +
-#: backward, fp32, 1 and 2 threads, 2-core VM; ``benchmarks/results/cpu-ngram-crossover.json``), after
-#: the sort path's sums became segmented scans (outliers stay in their segment; 1.4-2.6x slower than the
-#: old prefix sums): N-Gram AD's B = 32, D = 64 has dense faster up to L = 256 (eager 1.27-2.98x slower,
-#: except n = 2 on 1 thread: 0.92x) and eager faster from 512 (0.38-0.90x); B = 8, D = 512 has dense
-#: faster up to 512 (eager 1.03-1.31x) and eager faster from 1024 (0.57-0.64x).
+#: per-column segmented scans cost more. Measured with ``benchmarks/ngram_cpu_crossover.py``; the numbers
+#: are in ``benchmarks/results/README.md`` (n-gram ``backend="auto"`` on the CPU).
 CPU_DENSE_MAX_LENGTH = 256
 CPU_DENSE_MAX_LENGTH_WIDE = 512
 CPU_WIDE_DIM = 256
