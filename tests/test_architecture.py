@@ -3,7 +3,8 @@ only icrl_kernels' public API.
 
 The import graph is read statically from the source (``ast``): every ``import`` statement counts, at
 module level or inside a function (the kernel modules are imported inside the ops, so a cycle through
-such an import is still a cycle of the design, even when it does not fail at import time).
+such an import is still a cycle of the design, even when it does not fail at import time), except those
+under ``if TYPE_CHECKING:`` (annotations only: they never run).
 """
 
 from __future__ import annotations
@@ -45,12 +46,30 @@ def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return files
 
 
+def _type_checking_block(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports that exist for annotations only."""
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return isinstance(test, (ast.Name, ast.Attribute)) and getattr(test, "id", getattr(test, "attr", "")) == (
+        "TYPE_CHECKING"
+    )
+
+
+def _statements(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks (never run)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        children = node.orelse if _type_checking_block(node) else list(ast.iter_child_nodes(node))
+        stack.extend(reversed(children))  # source order
+
+
 def imports(root: Path, packages: tuple[str, ...]) -> Iterator[Import]:
-    """Every name imported by a module of ``packages`` (all ``import`` statements, at any depth), with
-    relative imports resolved to absolute module names."""
+    """Every name imported by a module of ``packages`` (all ``import`` statements, at any depth, except those
+    under ``if TYPE_CHECKING:``, which never run), with relative imports resolved to absolute module names."""
     for module, path in module_files(root, packages).items():
         is_package = path.name == "__init__.py"
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        for node in _statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield Import(module, alias.name, None, node.lineno)
@@ -122,7 +141,7 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.a"]
     (package / "sub" / "b.py").write_text("from .. import c\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
-    (package / "c.py").write_text("")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import a\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
 
 
