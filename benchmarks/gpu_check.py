@@ -88,8 +88,8 @@ SANITIZER_SELECTION = [
     ("tests/test_ngram_attention.py", "edge_cases and {device}"),
     ("tests/test_contrastive_kernels.py", "(single_available_action or masked_actions_get_exactly) and {device}"),
     ("tests/test_moa_kernels.py", "(shapes_reach_the_kernel_edges or single_head) and {device}"),
-    ("tests/test_inject_layer_norm.py", "optional_inputs and {device}"),
-    ("tests/test_smeared_keys.py", "strided and {device}"),
+    ("tests/test_looped_kernels.py", "optional_inputs and {device}"),
+    ("tests/test_smeared_kernels.py", "strided and {device}"),
 ]
 
 

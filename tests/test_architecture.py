@@ -192,3 +192,14 @@ def test_environments_import_without_torch():
     code = "import sys, icrl_models.envs; print(sorted({'torch', 'icrl_kernels'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_no_test_file_imports_another():
+    """Test files share helpers through tests/_helpers.py and conftest.py, never by importing each other."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}:{node.lineno} imports {name}" for name in names if name.startswith("test_")]
+    assert found == []

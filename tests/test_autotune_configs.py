@@ -137,7 +137,7 @@ def check_select(device: str, dtype: torch.dtype) -> None:
 def check_gated_attention(device: str, dtype: torch.dtype) -> None:
     """``gated_attention(backend="triton")`` and every gradient against the reference: softmax gate with
     smeared keys, and the linear gate (whose dq pass also recomputes ``P V``). bf16 tolerance as in
-    tests/test_gated_attention.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
+    tests/test_attention_kernels.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
     their own fixed tile (``FP32_TILES``) whatever config is forced: the configs are exercised in bf16."""
     tiny = device == "cpu"
     # Tiny: L = 70 is one 128-row, two 64-row or three 32-row blocks (ragged); Dh = 24 pads to 32. CUDA: L = 1000.
