@@ -282,8 +282,13 @@ def _find_sanitizer() -> str | None:
 # --- pytest stages -----------------------------------------------------------------------------------
 
 
+#: pyproject's addopts leave out the tests marked slow; the GPU runner runs every tier (a stage's own ``-m``,
+#: later on the command line, replaces this one).
+EVERY_TIER = ["-m", "slow or not slow"]
+
+
 def _pytest(ctx: Context, args: list[str], log_name: str, junit: Path | None = None, **kwargs) -> int:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *EVERY_TIER, *args]
     if junit is not None:
         command.append(f"--junitxml={junit}")
     return ctx.run(command, log_name, **kwargs)
@@ -358,7 +363,7 @@ def stage_parity(ctx: Context) -> tuple[str, dict]:
         junit = Path(tmp) / "memcheck.xml"
         if sanitizer:
             prefix = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all"]
-            command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+            command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *EVERY_TIER,
                        f"--junitxml={junit}", *selection]  # fmt: skip
             code = ctx.run(command, "parity.log")
         else:

@@ -197,6 +197,7 @@ def test_every_autotuned_kernel_has_a_check():
     assert len(set(ids)) == len(ids), f"two configs of one kernel share an id: {sorted(ids)}"
 
 
+@pytest.mark.slow  # every autotune config of every kernel (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("name,config", CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
@@ -205,6 +206,7 @@ def test_config_matches_reference(device, dtype, name, config):
         CHECKS[name](device, dtype)
 
 
+@pytest.mark.slow  # every selection config (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
 def test_sampling_does_not_depend_on_the_config(device, dtype):

@@ -390,6 +390,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_tiled_kernels_compile_for_sm90_offline():
     """Every autotune config of both tiled kernels compiles to sm_90 at n = 1, 2, 4 in bf16 and fp32

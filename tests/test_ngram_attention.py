@@ -223,6 +223,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile the sort-path and tiled kernels to sm_90
@@ -249,6 +250,10 @@ def _segment_chunk_spans(ids: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
     return torch.tensor(spans)
 
 
+#: The long interpreted cases are the slow tier (docs/testing.md#test-tiers); the first stays in the default one.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -256,9 +261,9 @@ def _segment_chunk_spans(ids: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
     "batch,length,dim,vocab,n,padding,chunk",
     [
         (2, 70, 19, 3, 1, 0.1, 16),  # segments of ~20 positions cross chunk boundaries
-        (1, 90, 33, 1, 1, 0.0, 8),  # one token repeated: one segment spans all 12 chunks
-        (2, 56, 24, 2, 2, 0.2, 7),  # ragged chunks (7 is not a tile multiple), padding ids
-        (1, 50, 9, 40, 1, 0.0, 5),  # mostly single-position segments: boundaries in every chunk
+        pytest.param(1, 90, 33, 1, 1, 0.0, 8, marks=_SLOW),  # one token repeated: one segment spans all 12 chunks
+        pytest.param(2, 56, 24, 2, 2, 0.2, 7, marks=_SLOW),  # ragged chunks (7 is not a tile multiple), padding
+        pytest.param(1, 50, 9, 40, 1, 0.0, 5, marks=_SLOW),  # mostly single-position segments: every chunk
     ],
 )
 def test_sort_path_chunked_parity(device, dtype, batch, length, dim, vocab, n, padding, chunk):
@@ -283,6 +288,7 @@ def test_sort_path_chunked_short_rows(device, length, chunk):
         check_parity(h, ids.to(device), 1, "triton", "sort")
 
 
+@pytest.mark.slow  # every autotune config, interpreted (docs/testing.md#test-tiers)
 @pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("kernel_name", ["_ngram_forward_kernel", "_ngram_backward_kernel"])

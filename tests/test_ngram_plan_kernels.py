@@ -117,6 +117,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_plan_kernels_compile_for_sm90_offline():
     reports = run_offline_compile(_OFFLINE_COMPILE)

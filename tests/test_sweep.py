@@ -60,7 +60,10 @@ def _resume_killed_sweep(config: CompareConfig) -> dict:
     return compare(config)
 
 
-@pytest.mark.parametrize("scheduler", ["ray", "processes"])
+@pytest.mark.parametrize(
+    "scheduler",
+    [pytest.param("ray", marks=pytest.mark.slow), "processes"],  # Ray: the slow tier (docs/testing.md)
+)
 def test_killed_sweep_resumes_and_matches_the_sequential_run(tmp_path, request, sequential_sweep, scheduler):
     if scheduler == "ray":
         request.getfixturevalue("local_ray")
