@@ -20,7 +20,7 @@ Implementations:
   blend, SDPA, the gate as a softmax and a multiply), the best Inductor can fuse around SDPA (CPU smoke
   runs compile one case).
 
-Bytes and FLOPs: :mod:`icrl_kernels.attention.cost`, the fused model for ``triton`` and the separate-ops
+Bytes and FLOPs: :mod:`benchmarks.cost.attention`, the fused model for ``triton`` and the separate-ops
 model for the others (both count what that implementation moves, not a common minimum).
 
 Headline cases (``-m headline``): ``triton`` and ``separate`` at ``B = 16, L = 1024, H = 12, Dh = 64`` bf16
@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from icrl_kernels import gated_attention, gated_attention_reference, mixture_of_heads, smeared_keys
-from icrl_kernels.attention.cost import fwd_bwd_cost, separate_ops_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
 from .conftest import bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.attention import fwd_bwd_cost, separate_ops_fwd_bwd_cost
 
 
 class Shape(NamedTuple):

@@ -24,7 +24,7 @@ Baselines that materialise ``N x A`` logits are skipped where those logits alone
 :data:`LOGITS_LIMIT_BYTES` (e.g. ``A`` = 1M); the fused path still runs there. On CUDA every benchmark
 records its peak memory. Inputs: ``pred ~ N(0, 1)``, map rows ``N(0, 1/D)`` (unit norm on average;
 values do not change the work), uniform targets, tau = 0.7; bf16 on CUDA (training under autocast),
-fp32 on the CPU. Bytes and FLOPs come from :mod:`icrl_kernels.contrastive.cost` (a fused
+fp32 on the CPU. Bytes and FLOPs come from :mod:`benchmarks.cost.contrastive` (a fused
 implementation's minimum: the logits never reach memory, and the backward recomputes them once); for
 large ``A`` the FLOPs term of the roofline binds, for small ``A`` reading ``pred``.
 
@@ -46,10 +46,10 @@ import torch.nn.functional as F
 
 import icrl_kernels
 from icrl_kernels._backend import triton_interpreter_enabled
-from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
 from icrl_kernels.testing import relative_rms_error
 
 from .conftest import as_params, bench_device, full_run, select_shapes, split_graph
+from .cost.contrastive import infonce_fwd_bwd_cost, select_actions_cost
 
 TAU = 0.7
 

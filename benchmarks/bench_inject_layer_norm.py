@@ -12,7 +12,7 @@ implementation:
   ``reference`` because ``benchmarks/summarize.py`` takes ratios against that backend;
 * ``compile``: ``torch.compile`` of that baseline (Inductor fuses the adds into the norm).
 
-Bytes and FLOPs: :func:`icrl_kernels.looped.cost.inject_layer_norm_fwd_bwd_cost`, the minimum of a
+Bytes and FLOPs: :func:`benchmarks.cost.looped.inject_layer_norm_fwd_bwd_cost`, the minimum of a
 fused implementation: the forward reads ``y`` and ``prompt`` and writes ``hidden`` and ``normed``; the
 backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and writes ``d_y`` and ``d_prompt`` (two
 tensors, since both require grad): ``9 * B * L * D`` elements, plus ``pos`` and its gradient
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
-from icrl_kernels.looped.cost import inject_layer_norm_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
 from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.looped import inject_layer_norm_fwd_bwd_cost
 
 
 class Shape(NamedTuple):

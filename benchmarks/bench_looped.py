@@ -15,8 +15,8 @@ tokens, ``B = 64``). Backends (``backend`` in ``extra_info``, as in every other 
 
 ``train`` times ``b`` loops of which the last ``T`` keep autograd, a mean-squared loss over the kept
 iterates and the backward (the paper's truncated loss); ``infer`` times ``b`` loops without autograd.
-Bytes and FLOPs: :func:`icrl_kernels.looped.cost.train_step_cost` and
-:func:`~icrl_kernels.looped.cost.inference_cost` (per loop the weights, the iterate and the prompt;
+Bytes and FLOPs: :func:`benchmarks.cost.looped.train_step_cost` and
+:func:`~benchmarks.cost.looped.inference_cost` (per loop the weights, the iterate and the prompt;
 the blocks' matmul FLOPs, which bind).
 
 The whole training step of the looped model (``test_looped_model_train_step``, op
@@ -46,11 +46,11 @@ import pytest
 import torch
 
 from icrl_kernels import LoopedBlock
-from icrl_kernels.looped.cost import inference_cost, train_step_cost
 from icrl_models.looped_step import make_graphed_train_step, make_optimizer, train_step
 from icrl_models.models.looped import LoopedConfig, LoopedTransformer
 
 from .conftest import as_params, bench_device, full_run, select_shapes, split_graph
+from .cost.looped import inference_cost, train_step_cost
 
 
 class Shape(NamedTuple):

@@ -18,7 +18,7 @@ views of one QKV projection, as in ``MoAAttention``) and ``bhld`` (the ``transpo
 ``[B, H, L, Dh]``-contiguous output, e.g. SDPA on contiguous inputs): ``triton``, ``eager``,
 ``reference`` (autograd) and ``compile`` (``torch.compile`` of the reference).
 
-Bytes and FLOPs: :mod:`icrl_kernels.moa.cost` (the layer's boundary traffic and its projection and
+Bytes and FLOPs: :mod:`benchmarks.cost.moa` (the layer's boundary traffic and its projection and
 attention FLOPs, compute-bound; the op's ``5 N`` head-sized elements plus ``3 B L H`` logits,
 memory-bound).
 
@@ -36,10 +36,10 @@ import pytest
 import torch
 
 from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference
-from icrl_kernels.moa.cost import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
 from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.moa import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
 
 
 class Shape(NamedTuple):

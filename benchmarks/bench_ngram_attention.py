@@ -20,7 +20,7 @@ The ``eager`` and ``triton-sort`` timings include building the plan (one sort of
 because ``ngram_attention(h, ids, n)`` does that on every call, so ``flex+mask`` is the like-for-like
 peer and ``flex`` the one with its setup amortised; the ``reference`` timings include building the
 dense pattern. Inputs are fp32 ``h ~ N(0, 1)`` and ids drawn uniformly from ``[0, vocab)``. Bytes and
-FLOPs: :func:`icrl_kernels.ngram.cost.fwd_bwd_cost`.
+FLOPs: :func:`benchmarks.cost.ngram.fwd_bwd_cost`.
 
 Headline cases (``-m headline``): every backend at ``B=16, L=4096, D=512, n=2`` with vocabularies 81
 and 10^4 (the targets: at least 10x the dense reference, faster than FlexAttention at vocab 10^4), and
@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 
 import icrl_kernels
-from icrl_kernels.ngram.cost import fwd_bwd_cost
 from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.testing import assert_close_rel, relative_rms_error
 
 from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.ngram import fwd_bwd_cost
 
 #: FlexAttention head width: ``h [B, L, D]`` is viewed as ``D / 64`` heads of 64 features.
 HEAD_DIM = 64

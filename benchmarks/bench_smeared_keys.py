@@ -12,7 +12,7 @@ for one shape and one implementation:
 Every backend differentiates w.r.t. both ``k`` and ``alpha`` (as training does): the Triton and eager
 custom ops compute the ``alpha`` gradient in the same backward anyway, and asking autograd for it
 keeps the reference and ``compile`` from skipping that branch, so all four do the same work. Bytes
-and FLOPs: :func:`icrl_kernels.smeared.cost.fwd_bwd_cost` (read ``k``, write ``k'``; read ``grad_out``
+and FLOPs: :func:`benchmarks.cost.smeared.fwd_bwd_cost` (read ``k``, write ``k'``; read ``grad_out``
 and ``k``, write ``grad_k`` and ``grad_alpha``). Inputs are ``k ~ N(0, 1)`` and ``alpha ~ N(0, 1)``.
 
 Headline case (``-m headline``): ``triton`` at ``B = 64, H = 12, L = 1024, Dh = 64`` bf16 (the roofline
@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
-from icrl_kernels.smeared.cost import fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
 from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.smeared import fwd_bwd_cost
 
 
 class Shape(NamedTuple):

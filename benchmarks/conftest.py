@@ -9,7 +9,7 @@ per program per tile). In both sets one case per performance target carries the 
 
 Timing: the :func:`timed` fixture (and :func:`fwd_bwd` on top of it, for ``forward + backward``)
 records, in ``benchmark.extra_info``, the shape, the device and library versions, the op's minimal
-bytes and FLOPs from its cost model (``icrl_kernels/<op>/cost.py``), and on CUDA the peak memory,
+bytes and FLOPs from its cost model (``benchmarks/cost/<op>.py``), and on CUDA the peak memory,
 the device's measured copy bandwidth and matmul peaks, and the roofline bound
 ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, so that
 ``benchmarks/summarize.py`` can print ratios, targets and roofline fractions from the JSON alone.
@@ -38,7 +38,9 @@ from typing import Any
 import pytest
 import torch
 
-from icrl_kernels._cost import OpCost, roofline
+from icrl_kernels._backend import triton_available
+
+from .cost import OpCost, roofline
 
 #: Wall time each timed benchmark aims for (seconds); rounds are chosen to fill it.
 TARGET_SECONDS = float(os.environ.get("ICRL_BENCH_SECONDS", "1.0"))
@@ -244,7 +246,7 @@ def peak_for(peaks: dict[str, float], dtype: torch.dtype | str) -> float:
 
 
 def roofline_info(cost: OpCost, dtype: torch.dtype | str, copy_bytes_per_second: float, peaks: dict[str, float]):
-    """``extra_info`` entries of the roofline bound of ``cost`` (see :func:`icrl_kernels._cost.roofline`)."""
+    """``extra_info`` entries of the roofline bound of ``cost`` (see :func:`benchmarks.cost.roofline`)."""
     flops_per_second = peak_for(peaks, dtype)
     seconds, bound = roofline(cost, copy_bytes_per_second, flops_per_second)
     return {
@@ -310,7 +312,7 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
     """Time ``step()`` (which must leave no pending work but CUDA kernels): the core of every benchmark.
 
     Returns ``run(step, *, device, info, cost, dtype, warmup=1, graphed=False)``. ``cost`` is the op's
-    :class:`~icrl_kernels._cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
+    :class:`~benchmarks.cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
     ``cost.py``) and ``dtype`` the dtype its math runs in (which matmul peak bounds it). ``warmup``
     untimed calls first (compilation, Triton autotuning, allocator growth), then one more to size the
     rounds to about ``ICRL_BENCH_SECONDS``. ``graphed``: after the warm-up, ``step`` is captured in a CUDA graph
@@ -324,7 +326,7 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
     (``roofline_seconds``), which term binds (``roofline_bound``: ``"bytes"`` or ``"flops"``) and
     ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit), and ``autotune``: every
     config the warm-up calls timed, per newly tuned kernel and key
-    (:func:`icrl_kernels._triton.recorded_autotuning`).
+    (:func:`benchmarks.kernel_tools.recorded_autotuning`).
     """
 
     def run(
@@ -384,14 +386,12 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
 
 
 def _recorded_autotuning(device: torch.device):
-    """On CUDA, :func:`icrl_kernels._triton.recorded_autotuning` (the timing of every config the warm-up
+    """On CUDA, :func:`benchmarks.kernel_tools.recorded_autotuning` (the timing of every config the warm-up
     calls tune); elsewhere, or without Triton, an empty list."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not triton_available():
         return contextlib.nullcontext([])
-    try:
-        from icrl_kernels._triton import recorded_autotuning
-    except ImportError:
-        return contextlib.nullcontext([])
+    from .kernel_tools import recorded_autotuning
+
     return recorded_autotuning()
 
 
@@ -402,7 +402,7 @@ def fwd_bwd(timed):
     Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1, graphed=False)`` where ``fn`` maps the leaf ``h``
     (``requires_grad``) to an output of the same shape, ``info`` holds the shape parameters to record
     (``B``, ``L``, ``D`` and anything op-specific such as ``backend``), ``cost`` is the op's
-    :class:`~icrl_kernels._cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
+    :class:`~benchmarks.cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
     layer's parameters, as training does).
 
     One timed call is ``out = fn(h); torch.autograd.grad(out, (h, *wrt), grad_out)`` (see :func:`timed`;

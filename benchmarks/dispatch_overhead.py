@@ -31,10 +31,15 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-import icrl_kernels as ik
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import icrl_kernels as ik  # noqa: E402
+from benchmarks.kernel_tools import autotuned_kernels  # noqa: E402
 
 
 def _cases():
@@ -97,7 +102,7 @@ def stubbed_kernel_launches() -> Iterator[Counter]:
     ``launch`` is replaced, and restored afterwards."""
     from icrl_kernels import _triton
 
-    _triton.autotuned_kernels()  # imports every ``*kernels`` module
+    autotuned_kernels()  # imports every ``*kernels`` module
     launches: Counter = Counter()
 
     def counting_launch(kernel, grid):

@@ -18,7 +18,7 @@ it runs anywhere, without torch. Output:
      column per peer: ``peer / ours`` (a speedup: above 1 we are faster) or, for an upper-bound target
      such as MoA's, ``ours / peer``, with ``pass`` / ``FAIL`` where the target of :data:`OPS` applies
      to that shape;
-  2. the cost model (bytes moved and FLOPs, from ``icrl_kernels/<op>/cost.py``), the roofline bound
+  2. the cost model (bytes moved and FLOPs, from ``benchmarks/cost/<op>.py``), the roofline bound
      ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, our fraction of it
      (``bound / time``) against the op's roofline target (time at most 1.5x the bound, i.e. >= 67%; n-gram
      attention >= 50%), judged on the CUDA-graph replay of our call (backend ``<ours>+graph``) where it

@@ -23,9 +23,11 @@ Two refinements, both in :func:`differentiable_op` and :func:`inference_op` so t
   ``opcheck``, ``torch.compile``, ``torch.export``, ``vmap``, tensor subclasses, double backward) goes
   through the registered op as before. :func:`set_fast_dispatch` (or ``ICRL_FAST_DISPATCH=0``) turns it off.
 
-Kernel wrappers allocate outputs with :func:`empty_output`, which tests switch to NaN-filled
-allocations (:func:`icrl_kernels.testing.poisoned_outputs`) so that an element a kernel forgot to
-write fails the parity check instead of passing by luck.
+Kernel wrappers allocate outputs with :func:`empty_output` (or :func:`empty_output_like`, in another
+tensor's memory order), which tests switch to NaN-filled allocations
+(:func:`icrl_kernels.testing.poisoned_outputs`) so that an element a kernel forgot to write fails the
+parity check instead of passing by luck. Every reference and eager path computes in
+:func:`compute_dtype` (fp32, fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.devi
     if _poison_outputs:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
+
+
+def empty_output_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty_output` of ``like``'s shape whose memory order follows ``like``'s strides (dense, no gaps).
+
+    For a gradient written in its input's own memory order, so that it matches whatever layout the
+    producer chose: e.g. PyTorch's flash kernels return ``[B, H, L, Dh]`` outputs that are
+    ``[B, L, H, Dh]``-contiguous, while SDPA's math path returns ``[B, H, L, Dh]``-contiguous ones.
+    """
+    order = sorted(range(like.dim()), key=lambda dim: -like.stride(dim))  # stable: ties keep dim order
+    buffer = empty_output([like.shape[dim] for dim in order], dtype=dtype, device=like.device)
+    inverse = [order.index(dim) for dim in range(like.dim())]
+    return buffer.permute(inverse)
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype every op's reference and eager path compute in: fp64 if any of ``tensors`` is fp64, fp32
+    otherwise (fp16 and bf16 inputs are upcast). Pass the tensors whose precision the result must keep
+    (the activations; parameters of another float dtype are read in this dtype)."""
+    return torch.float64 if any(tensor.dtype == torch.float64 for tensor in tensors) else torch.float32
 
 
 def set_fast_dispatch(enabled: bool) -> bool:

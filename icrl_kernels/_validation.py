@@ -1,4 +1,8 @@
-"""Argument checks shared by every public function: errors name the offending argument."""
+"""Argument checks shared by every public function of both packages: errors name the offending argument.
+
+The implementation; :mod:`icrl_kernels.validation` is its public face (what :mod:`icrl_models` and users
+import).
+"""
 
 from __future__ import annotations
 
@@ -124,14 +128,26 @@ def row_mask(rows: object, name: str, num_rows: int, device: torch.device) -> to
 
 
 def check_int(value: object, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
-    """Check an integer argument (bool is rejected) against optional bounds; return it as ``int``."""
+    """Check an integer argument against optional inclusive bounds; return it as a Python ``int``.
+
+    Python and numpy integers pass; a bool, a float (even ``4.0``), a string or a tensor does not (a tensor
+    would need a host read, and an int-valued float is usually a mistake upstream).
+
+    Raises:
+        TypeError: not an integer (the message names the argument and shows the value).
+        ValueError: below ``min_value`` or above ``max_value``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
-    if min_value is not None and value < min_value:
-        raise ValueError(f"{name} must be >= {min_value}, got {value}")
-    if max_value is not None and value > max_value:
-        raise ValueError(f"{name} must be <= {max_value}, got {value}")
+    if (min_value is not None and value < min_value) or (max_value is not None and value > max_value):
+        if max_value is None:
+            bounds = f">= {min_value}"
+        elif min_value is None:
+            bounds = f"<= {max_value}"
+        else:
+            bounds = f"in [{min_value}, {max_value}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
     return value
 
 
@@ -221,9 +237,12 @@ def check_matches_params(value: torch.Tensor, name: str, param: torch.Tensor) ->
 
 
 def check_generator(value: object, name: str = "generator") -> torch.Generator | None:
-    """Check an optional ``torch.Generator``; return it."""
+    """Check an optional ``torch.Generator`` (a seed such as ``42`` is not one); return it."""
     if value is not None and not isinstance(value, torch.Generator):
-        raise TypeError(f"{name} must be a torch.Generator or None, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(value).__name__} {value!r} "
+            "(for a seed, pass torch.Generator().manual_seed(seed))"
+        )
     return value
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from icrl_kernels._validation import check_device
+from icrl_kernels.validation import check_device
 
 #: Exceptions reported as one line with exit status 2 instead of a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from icrl_kernels import LoopedBlock, device_side_value_checks
-from icrl_kernels._validation import check_device
+from icrl_kernels.validation import check_device
 
 if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from icrl_kernels._validation import check_device
-
-from ._checks import check_generator, check_int
+from icrl_kernels.validation import check_device, check_generator, check_int
 
 FUNCTION_CLASSES: tuple[str, ...] = ("linear_regression", "sparse_linear_regression", "decision_tree", "relu_2nn")
 BASELINES: tuple[str, ...] = ("least_squares", "averaging", "3nn")
@@ -115,9 +113,9 @@ def sample_prompts(
         ``xs [B, k, d]`` and ``ys [B, k]``, fp32 on ``device``.
     """
     d = config.n_dims
-    active = d if active_dims is None else check_int(active_dims, "active_dims", low=1, high=d)
-    batch = check_int(batch, "batch", low=1)
-    n_points = check_int(n_points, "n_points", low=1)
+    active = d if active_dims is None else check_int(active_dims, "active_dims", min_value=1, max_value=d)
+    batch = check_int(batch, "batch", min_value=1)
+    n_points = check_int(n_points, "n_points", min_value=1)
     check_generator(generator)
     device = check_device(device) if device is not None else torch.device("cpu")
     mask = _active_mask(d, active, "cpu").float()

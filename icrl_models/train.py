@@ -51,9 +51,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from icrl_kernels._validation import check_device
+from icrl_kernels.validation import check_device, check_int
 
-from ._checks import check_int, check_training_fields
+from ._checks import check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
@@ -202,12 +202,12 @@ class TrainConfig:
         check_training_fields(self)
         for name in ("seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task", "num_histories",
                      "source_episodes"):  # fmt: skip
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
         for name in ("num_train_tasks", "episode_length", "eval_tasks"):
             if getattr(self, name) is not None:
-                check_int(getattr(self, name), name, low=1)
+                check_int(getattr(self, name), name, min_value=1)
         for name in ("seed", "eval_every"):
-            check_int(getattr(self, name), name, low=0)
+            check_int(getattr(self, name), name, min_value=0)
         if any(n < 1 for n in self.ngram_sizes):
             raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
         # The model's own checks, with placeholder environment sizes (the data's are not known yet).

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_no_host_sync import HostReadDetector
+from _helpers import HostReadDetector
 
 from icrl_kernels import set_value_checks
 from icrl_kernels.testing import poisoned_outputs

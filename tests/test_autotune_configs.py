@@ -10,7 +10,7 @@ element that a config's tiling never writes fails.
 On CUDA the shape is benchmark-sized with ragged edges (no dimension a multiple of every tile). Under
 ``TRITON_INTERPRET=1`` the same tests run on the CPU at a tiny shape (one or a few programs a launch):
 the CPU rehearsal of the GPU "configs" stage. The kernels come from
-:func:`icrl_kernels._triton.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
+:func:`benchmarks.kernel_tools.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
 (``test_every_autotuned_kernel_has_a_check`` fails until it has one).
 """
 
@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernel_tools import autotuned_kernels  # noqa: E402
 from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel modules need triton)
     gated_attention,
     gated_attention_reference,
@@ -32,7 +33,7 @@ from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel mo
     ngram_attention_reference,
     select_actions,
 )
-from icrl_kernels._triton import autotune_configs, autotuned_kernels, config_name, kernel_name  # noqa: E402
+from icrl_kernels._triton import autotune_configs, config_name, kernel_name  # noqa: E402
 from icrl_kernels.contrastive import action_logits_reference  # noqa: E402
 from icrl_kernels.testing import (  # noqa: E402
     RMS_TOLERANCE,
@@ -136,7 +137,7 @@ def check_select(device: str, dtype: torch.dtype) -> None:
 def check_gated_attention(device: str, dtype: torch.dtype) -> None:
     """``gated_attention(backend="triton")`` and every gradient against the reference: softmax gate with
     smeared keys, and the linear gate (whose dq pass also recomputes ``P V``). bf16 tolerance as in
-    tests/test_gated_attention.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
+    tests/test_attention_kernels.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
     their own fixed tile (``FP32_TILES``) whatever config is forced: the configs are exercised in bf16."""
     tiny = device == "cpu"
     # Tiny: L = 70 is one 128-row, two 64-row or three 32-row blocks (ragged); Dh = 24 pads to 32. CUDA: L = 1000.
@@ -196,6 +197,7 @@ def test_every_autotuned_kernel_has_a_check():
     assert len(set(ids)) == len(ids), f"two configs of one kernel share an id: {sorted(ids)}"
 
 
+@pytest.mark.slow  # every autotune config of every kernel (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("name,config", CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
@@ -204,6 +206,7 @@ def test_config_matches_reference(device, dtype, name, config):
         CHECKS[name](device, dtype)
 
 
+@pytest.mark.slow  # every selection config (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
 def test_sampling_does_not_depend_on_the_config(device, dtype):

@@ -1,4 +1,4 @@
-"""Bad input to every public op and module of ``icrl_kernels`` (the n-gram functions: test_bad_input_ngram.py).
+"""Bad input to every public op and module of ``icrl_kernels`` (the n-gram functions: test_ngram_bad_input.py).
 
 Data-driven: ``ERROR_CASES`` lists calls that must raise ``ValueError``/``TypeError`` whose message names
 the argument at fault; ``EQUAL_CASES`` lists odd-but-legal inputs (NaN, empty, huge stride-0 views)
@@ -21,11 +21,12 @@ from icrl_kernels._backend import triton_runs_on
 from icrl_kernels.contrastive import action_logits_reference
 from icrl_kernels.modules import GPT2Block
 
-NGRAM_FILE = Path(__file__).with_name("test_bad_input_ngram.py")
+NGRAM_FILE = Path(__file__).with_name("test_ngram_bad_input.py")
 #: Swept by helper A's n-gram file.
 NGRAM_NAMES = {
     "ngram_attention",
     "ngram_attention_reference",
+    "ngram_match_matrix",
     "ngram_plan",
     "NGramPlan",
     "NGramDecodeState",
@@ -1080,7 +1081,7 @@ def test_every_public_name_is_swept():
 
 def test_ngram_names_are_swept_in_the_ngram_file():
     if not NGRAM_FILE.exists():
-        pytest.skip("tests/test_bad_input_ngram.py (helper A) is not in the tree yet")
+        pytest.skip("tests/test_ngram_bad_input.py (helper A) is not in the tree yet")
     text = NGRAM_FILE.read_text()
     absent = sorted(name for name in NGRAM_NAMES if name not in text)
     assert not absent, f"{NGRAM_FILE.name} has no cases for {absent}"

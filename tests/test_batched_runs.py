@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_no_host_sync import HostReadDetector, gpu_value_checks
+from _helpers import HostReadDetector, gpu_value_checks
 
 import icrl_models.batched as batched
 import icrl_models.cuda_graphs as cuda_graphs

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels.contrastive import (
     OvercompleteEmbeddingWarning,
     action_logits_reference,
@@ -47,9 +48,7 @@ from icrl_kernels.testing import (
     RMS_TOLERANCE,
     TESTED_DTYPES,
     assert_close_rel,
-    check_offline_reports,
     relative_rms_error,
-    run_offline_compile,
     triton_devices,
 )
 
@@ -1495,7 +1494,7 @@ def test_eager_gumbel_noise_is_a_device_function_of_the_seed():
 _OFFLINE_COMPILE = """
 import itertools
 from icrl_kernels.contrastive import kernels as k
-from icrl_kernels.testing import compile_offline, config_jobs
+from benchmarks.kernel_tools import compile_offline, config_jobs
 
 # benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
 # 1024, one shared map of A = 125 actions (one tile; not a multiple of 16, which changes the
@@ -1541,6 +1540,7 @@ compile_offline(jobs)
 MAX_SHARED_BYTES = 232448
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile the InfoNCE and selection kernels to sm_90

@@ -1,4 +1,4 @@
-"""Per-op cost models (``icrl_kernels/<op>/cost.py``): each formula against a case worked by hand, the
+"""Per-op cost models (``benchmarks/cost/<op>.py``): each formula against a case worked by hand, the
 parameter counts against the real modules, and the projection FLOPs against PyTorch's own FLOP counter.
 
 The hand-worked numbers are the ones spelled out in each function's docstring.
@@ -10,24 +10,24 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from icrl_kernels import LoopedBlock, MoAAttention
-from icrl_kernels._cost import OpCost, itemsize, roofline
-from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
-from icrl_kernels.looped.cost import (
+from benchmarks.cost import OpCost, itemsize, roofline
+from benchmarks.cost.contrastive import infonce_fwd_bwd_cost, select_actions_cost
+from benchmarks.cost.looped import (
     inference_cost,
     inject_layer_norm_fwd_bwd_cost,
     loop_forward_flops,
     loop_params,
     train_step_cost,
 )
-from icrl_kernels.moa.cost import (
+from benchmarks.cost.moa import (
     attention_fwd_bwd_cost,
     attention_pairs,
     attention_params,
     mixture_of_heads_fwd_bwd_cost,
 )
-from icrl_kernels.ngram.cost import fwd_bwd_cost as ngram_cost
-from icrl_kernels.smeared.cost import fwd_bwd_cost as smeared_cost
+from benchmarks.cost.ngram import fwd_bwd_cost as ngram_cost
+from benchmarks.cost.smeared import fwd_bwd_cost as smeared_cost
+from icrl_kernels import LoopedBlock, MoAAttention
 
 
 def test_op_cost_arithmetic_and_itemsize():

@@ -481,7 +481,8 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
 
 def test_icrl_markov_list_flags_and_older_comma_strings():
     from icrl_models.config import config_from_args
-    from icrl_models.experiments.markov_heads import MarkovConfig, _listed, build_parser
+    from icrl_models.experiments.markov_heads import MarkovConfig, build_parser
+    from icrl_models.experiments.markov_report import _listed
 
     def parse(*argv):
         return config_from_args(MarkovConfig, build_parser().parse_args(list(argv)))
@@ -505,8 +506,8 @@ def test_icrl_markov_list_flags_and_older_comma_strings():
     assert (paper.context_lens, paper.markov_heads) == ((10, 20, 30, 40, 50), (1, 5, 10))
     assert parse("--markov-heads").markov_heads == () == parse("--markov-heads", "").markov_heads
     assert default.task_list() == list(default.tasks) and default.moa_layer_list() == (0,)
-    # markov.md shows the lists as it always did, from new and old reports alike.
-    assert _listed([0, 1]) == _listed("0,1") == "0,1"
+    # markov.md shows the lists comma-separated.
+    assert _listed([0, 1]) == "0,1"
 
 
 @pytest.mark.parametrize(

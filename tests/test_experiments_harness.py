@@ -197,7 +197,7 @@ def test_cached_dataset_generates_once_then_reuses(tmp_path, monkeypatch):
 
 
 def test_running_loss_reads_the_device_once_per_mean():
-    from test_no_host_sync import HostReadDetector
+    from _helpers import HostReadDetector
 
     running = harness.RunningLoss()
     assert np.isnan(running.mean())

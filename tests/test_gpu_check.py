@@ -223,7 +223,7 @@ def test_cuda_tests_get_plain_devices_and_the_gpu_marker(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
     env.pop("TRITON_INTERPRET", None)
-    files = ["tests/test_smeared_keys.py", "tests/test_contrastive_kernels.py", "tests/test_ngram_robustness.py"]
+    files = ["tests/test_smeared_kernels.py", "tests/test_contrastive_kernels.py", "tests/test_ngram_robustness.py"]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,

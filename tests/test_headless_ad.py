@@ -285,6 +285,7 @@ def test_cold_sampling_picks_the_most_similar_action():
     assert (picks(sample=True) != argmax).float().mean() > 0.1
 
 
+@pytest.mark.slow  # ~90 s; icrl-headless's default command runs in test_headless_experiment_end_to_end
 def test_ablations_command_end_to_end(tmp_path, capsys):
     """``--ablations`` trains each variant on the same data and tabulates every temperature and arm count."""
     out = tmp_path / "abl"

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import summarize
-from icrl_kernels._cost import OpCost, roofline
-from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost
-from icrl_kernels.looped.cost import inference_cost, train_step_cost
-from icrl_kernels.moa.cost import attention_fwd_bwd_cost
-from icrl_kernels.ngram.cost import fwd_bwd_cost as ngram_cost
-from icrl_kernels.smeared.cost import fwd_bwd_cost as smeared_cost
+from benchmarks.cost import OpCost, roofline
+from benchmarks.cost.contrastive import infonce_fwd_bwd_cost
+from benchmarks.cost.looped import inference_cost, train_step_cost
+from benchmarks.cost.moa import attention_fwd_bwd_cost
+from benchmarks.cost.ngram import fwd_bwd_cost as ngram_cost
+from benchmarks.cost.smeared import fwd_bwd_cost as smeared_cost
 
 COPY = 3e12  # B/s
 PEAKS = {"bfloat16": 7.5e14, "float32": 5e13}  # FLOP/s
@@ -303,7 +303,7 @@ def test_autotune_table_absent_without_records(results_path):
 
 def test_recorded_autotuning_keeps_each_new_key_and_restores_run():
     pytest.importorskip("triton")
-    from icrl_kernels._triton import recorded_autotuning
+    from benchmarks.kernel_tools import recorded_autotuning
 
     class FakeAutotuner:  # the parts of triton's Autotuner the recorder reads (a GPU is needed to tune for real)
         def __init__(self):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks
+from _helpers import HostReadDetector, cpu_backends, gpu_value_checks
 
 import icrl_kernels
 import icrl_models.cuda_graphs as cuda_graphs
@@ -47,7 +47,7 @@ def _rows(config: TrainConfig) -> list[dict]:
 
 
 # -- CPU: the step can be captured -------------------------------------------------------------------
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("model, env", MODELS)
 def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path, model, env, backend):
     config = _tiny(tmp_path, model, env, backend=backend, residual_dropout=0.1, label_smoothing=0.1)
@@ -156,7 +156,7 @@ def _dt_batches(count: int, config) -> list[dict]:
     return batches
 
 
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("gate", ["softmax", "sigmoid", "linear"])
 def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend, gate):
     """icrl-markov's step (the DT with MoA): its input range checks were host reads (``int(x.max())``)."""

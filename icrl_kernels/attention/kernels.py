@@ -42,8 +42,8 @@ import triton.language as tl
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
 from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from ..moa.checks import GATES
 from ..moa.kernels import _gate_weights
-from ..moa.reference import GATES
 
 #: softmax 0, sigmoid 1, linear 2 (as ``mixture_of_heads``' kernels), no gate 3.
 GATE_CODES = {**{name: code for code, name in enumerate(GATES)}, None: len(GATES)}

@@ -27,30 +27,13 @@ logits tile ``[BLOCK_N, BLOCK_A]`` is a ``tl.dot`` over ``D`` in chunks of ``BLO
   NaN logit; ``checks.check_selection_status``).
 
 So every ``(row tile, action tile)`` softmax gradient is computed once per gradient kernel, never once
-per output-column block. Passes over the logits (each ``2 N A D`` FLOPs; the reads of ``pred``):
-
-=====================  ===========================================  ==============================
-                       before (column blocks of 256 / 128)           now (full-width accumulators)
-=====================  ===========================================  ==============================
-forward                1                                             1
-grad_pred              ceil(D / 256) recomputes + 1 dot              1 recompute + 1 dot
-grad_embeds            ceil(D / 128) recomputes + 1 dot              1 recompute + 1 dot
-total, D = 512         1 + 2 + 4 = 7 logits passes + 2 dots (= 9)    1 + 1 + 1 = 3 + 2 dots (= 5)
-total, D = 1024        1 + 4 + 8 = 13 + 2 dots (= 15)                3 + 2 dots (= 5)
-=====================  ===========================================  ==============================
-
+per output-column block: 3 logits passes and 2 gradient dots per forward + backward at any ``D`` (column
+blocks took 9 at D = 512, 15 at D = 1024; the history, with byte counts and predicted times:
+benchmarks/results/kernel-constants.md#infonce-logits-passes).
 The ideal is 4 (the forward's logits, the backward's recompute, two gradient dots); one fused backward
 could share the recompute, but ``grad_embeds`` then needs a cross-program reduction over rows per action
 (atomics, or fp32 partials of ``A x D`` per row tile: 16 GB at N = 65536, A = 4096), so we keep two
-kernels and pay one extra recompute. Bytes from HBM (bf16, N = 65536, D = 512, A = 125, shared map; a
-prediction, ``pred`` = 64 MiB): before, each column block of a backward kernel re-read ``pred`` for its
-logits: 1 (forward) + 2 (grad_pred) + 4 (grad_embeds) = 7 reads of ``pred`` plus the ``grad_pred`` write,
-~537 MB; now 1 + 1 + 1 (the ``grad_embeds`` dot reuses the rows its logits just read, and its action
-tiles of one row split run side by side, so their reads of ``pred`` hit L2) plus the write, ~270 MB,
-plus 2 x 17 MB of fp32 row-split partials (66 splits x 125 x 512 x 4 bytes). Predicted H100 times
-(3.35 TB/s, 800 TFLOP/s bf16; predictions, not measurements): A = 125, bytes-bound, ~170 us before and
-~90 us now against a roofline of 61 us (203 MB minimal); A = 4096, FLOP-bound (2 N A D = 275 GFLOP a
-pass), 9 passes = 3.1 ms before, 5 passes = 1.7 ms now, against 4 passes = 1.37 ms.
+kernels and pay one extra recompute.
 
 Precision: fp16/bf16 tiles go to ``tl.dot`` in their own dtype with fp32 accumulation (tensor cores).
 The backward dots take the *unscaled* ``softmax - one_hot`` (values in [-1, 1]) cast to the input dtype,

@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._library import empty_output
+from .._library import empty_output, empty_output_like
 from .._triton import cdiv, launch, next_power_of_2
-from .function import empty_like_layout
-from .reference import GATES
+from .checks import GATES
 
 #: Elements per chunk (BLOCK_R x BLOCK_H x BLOCK_D).
 _TILE_ELEMENTS = 4096
@@ -154,7 +153,7 @@ def mixture_of_heads_backward_triton(
     """Triton backward: ``grad_head`` (``head_out``'s dtype and memory order) and ``grad_gate_logits``
     (contiguous, ``gate_logits.dtype``) in one pass."""
     batch, length, heads, head_dim = head_out.shape
-    grad_head = empty_like_layout(head_out, head_out.dtype)
+    grad_head = empty_output_like(head_out, head_out.dtype)
     grad_gate = empty_output(gate_logits.shape, dtype=gate_logits.dtype, device=gate_logits.device)
     grid, blocks = _launch_config(head_out)
     launch(_mixture_of_heads_backward_kernel, grid)(

@@ -22,7 +22,8 @@ from .._validation import (
     check_shape,
     check_tensor,
 )
-from ..moa import GATES, gate_weights_reference, mixture_of_heads
+from ..moa import GATES, mixture_of_heads
+from ..moa import eager as moa_eager
 
 #: ``attention=`` choices of :class:`MoAAttention` and :class:`~icrl_kernels.SmearedKeyAttention`.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "fused")
@@ -168,7 +169,7 @@ class MoAAttention(nn.Module):
         """Normalised gate weights ``[B, L, H]`` (fp32) for a gate input ``[B, L, D]``; ``None`` when ungated."""
         if self.gate is None:
             return None
-        return gate_weights_reference(self.gate_logits(gate_input), self.gate)
+        return moa_eager.gate_weights(self.gate_logits(gate_input), self.gate)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -276,7 +277,7 @@ class MoAAttention(nn.Module):
         if return_gates and logits is None:
             gates = x.new_ones(batch, length, self.n_heads)
         elif return_gates:
-            gates = gate_weights_reference(logits, self.gate)
+            gates = moa_eager.gate_weights(logits, self.gate)
         if self.attention == "fused":
             from ..attention import gated_attention  # imported here: the module loads without it
 
@@ -300,7 +301,7 @@ class MoAAttention(nn.Module):
         else:
             # The mask scales normalised weights, so normalise here and pass the weights as
             # "linear" logits (the op's identity gate): one kernel still does scaling and merge.
-            weights = gates if gates is not None else gate_weights_reference(logits, self.gate)
+            weights = gates if gates is not None else moa_eager.gate_weights(logits, self.gate)
             merged = mixture_of_heads(heads, weights * head_mask.to(weights.dtype), gate="linear", backend=self.backend)
         y = self.resid_dropout(self.out_proj(merged))
         return (y, gates) if return_gates else y

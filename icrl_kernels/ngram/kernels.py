@@ -68,10 +68,8 @@ import triton.language as tl
 from .._library import empty_output
 from .._triton import autotune, cdiv, launch, size_bucket
 
-# Measured on an H100 (2026-11-27, 19 autotune keys of the forward and of the backward, B 8-32, L 256-4096,
-# D 64-512, fp32 and bf16; benchmarks/results/gpu-2026-11-27-h100/): [32, 32] on 2 warps was best at 11 and
-# 9 keys, [128, 32] at 6 and 8, [64, 64] at 2 and 2. [64, 128] and [128, 64] on 8 warps, offered before,
-# never won (1.1-4.1x the best, 1.7-2.4x in geometric mean) and are no longer compiled and timed.
+# The configs that won autotune keys on an H100 (benchmarks/results/kernel-constants.md#n-gram-sort-configs);
+# the ones that never won are no longer compiled and timed.
 _CONFIGS = [
     triton.Config({"BLOCK_L": 64, "BLOCK_D": 64}, num_warps=4),
     triton.Config({"BLOCK_L": 128, "BLOCK_D": 32}, num_warps=4),

@@ -39,10 +39,8 @@ from .._triton import autotune, cdiv, launch, size_bucket
 # 128) the tile rebuilds at D = 512. The backward runs unpipelined (num_stages=1): its software
 # pipelining (prefetching the next query tile's ids, counts and grad_out) spilled 600-2500 B/thread at
 # n = 4, and without it every config stays at <= 244 registers and no spill.
-# Measured on an H100 (2026-11-27, 27 autotune keys, B 8-32, L 256-4096, D 64-512, n 1-2, fp32 and bf16;
-# benchmarks/results/gpu-2026-11-27-h100/): the forward's [64, 32, 64] won 15 keys, [64, 32, 256] 7 (D = 512)
-# and [64, 32, 128] 5; [128, 32, 64] and [64, 64, 128] on 8 warps, offered before, never won (1.06-2.0x the
-# best) and are no longer compiled and timed. Every backward config won somewhere (1-12 keys) and stays.
+# The forward configs that won autotune keys on an H100, and every backward config (each won somewhere):
+# benchmarks/results/kernel-constants.md#n-gram-tiled-configs.
 _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 64}, num_warps=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128}, num_warps=8),

@@ -46,10 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from icrl_kernels import NGramAttention
-from icrl_kernels._validation import check_device
-from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
-from icrl_kernels.ngram.reference import ngram_match_matrix
+from icrl_kernels import NGramAttention, SmearedKeyAttention, ngram_match_matrix
+from icrl_kernels.validation import check_device
 
 from ..models.ad import CausalSelfAttention
 

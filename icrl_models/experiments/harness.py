@@ -184,7 +184,7 @@ def machine_description(device: Any = None) -> str:
     E.g. ``"AMD EPYC 7B13 (2 cores); torch 2.13.0+cpu; Python 3.11.9"``."""
     import torch
 
-    from icrl_kernels._validation import check_device
+    from icrl_kernels.validation import check_device
 
     device = check_device(device) if device is not None else None
     use_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()

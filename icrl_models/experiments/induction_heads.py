@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from icrl_kernels._backend import BACKENDS
-from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
+from icrl_kernels import BACKENDS, SmearedKeyAttention
+from icrl_kernels.validation import check_int
 
-from .._checks import check_float, check_int, check_training_fields
+from .._checks import check_float, check_training_fields
 from .._cli import command_line
 from ..analysis.induction import (
     attention_sites,
@@ -124,7 +124,7 @@ class InductionConfig(SweepOptions):
         check_float(self.smear_init, "smear_init")
         check_float(self.threshold, "threshold")
         for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "eval_every", "eval_batch"):
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
         if not 2 <= self.min_period <= self.max_period <= min(self.vocab_size, self.context_len):
             raise ValueError("need 2 <= min_period <= max_period <= min(vocab_size, context_len)")
         if not 2 <= self.eval_seq_len <= self.vocab_size or 2 * self.eval_seq_len > self.context_len:

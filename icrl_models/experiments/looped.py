@@ -28,7 +28,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_int, check_training_fields
+from icrl_kernels.validation import check_int
+
+from .._checks import check_training_fields
 from .._cli import command_line, resolve_device
 from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, config_from_args, make_parser, torch_threads
@@ -139,8 +141,8 @@ class LoopedExperimentConfig(SweepOptions):
         for name in ("n_dims", "n_points", "d_model", "n_heads", "unlooped_layers", "loops_start", "loops_end",
                      "loops_increment", "loops_interval", "grad_loops", "curriculum_interval", "eval_prompts",
                      "eval_loop_factor", "eval_every"):  # fmt: skip
-            check_int(getattr(self, name), name, low=1)
-        check_int(self.seed, "seed", low=0)
+            check_int(getattr(self, name), name, min_value=1)
+        check_int(self.seed, "seed", min_value=0)
         if self.grad_loops > self.loops_start:
             raise ValueError(f"grad_loops ({self.grad_loops}) must be <= loops_start ({self.loops_start})")
         if not 1 <= self.dims_start <= self.n_dims:

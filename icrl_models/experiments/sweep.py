@@ -41,7 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_float, check_int
+from icrl_kernels.validation import check_int
+
+from .._checks import check_float
 from .._cli import ReportedFailure
 from ..config import torch_threads
 from ..files import write_json
@@ -96,7 +98,7 @@ class SweepOptions:
             raise ValueError(f"trial_cpus must be > 0, got {self.trial_cpus}")
         if self.trial_gpus is not None and not check_float(self.trial_gpus, "trial_gpus") >= 0:
             raise ValueError(f"trial_gpus must be >= 0, got {self.trial_gpus}")
-        self.workers = check_int(self.workers, "workers", low=0)
+        self.workers = check_int(self.workers, "workers", min_value=0)
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
 

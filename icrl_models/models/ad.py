@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from icrl_kernels import NGramAttention, transition_ids
+from icrl_kernels.validation import check_generator, check_int
 
-from .._checks import check_float, check_generator, check_int
+from .._checks import check_float
 
 NGRAM_TOKEN_MODES = ("state", "transition")
 
@@ -60,11 +61,11 @@ class ADConfig:
     def __post_init__(self) -> None:
         check_backbone_fields(self)
         for name in ("num_actions", "num_rewards"):
-            check_int(getattr(self, name), name, low=1)
-        check_int(self.num_layers, "num_layers", low=0)
+            check_int(getattr(self, name), name, min_value=1)
+        check_int(self.num_layers, "num_layers", min_value=0)
         if isinstance(self.ngram_sizes, (str, bytes)) or not hasattr(self.ngram_sizes, "__iter__"):
             raise TypeError(f"ngram_sizes must be a tuple of ints, got {self.ngram_sizes!r}")
-        self.ngram_sizes = tuple(check_int(n, "ngram_sizes", low=1) for n in self.ngram_sizes)
+        self.ngram_sizes = tuple(check_int(n, "ngram_sizes", min_value=1) for n in self.ngram_sizes)
         if self.ngram_tokens not in NGRAM_TOKEN_MODES:
             raise ValueError(f"ngram_tokens must be one of {NGRAM_TOKEN_MODES}, got {self.ngram_tokens!r}")
         if self.num_layers < 0 or self.num_layers + len(self.ngram_sizes) == 0:
@@ -77,8 +78,8 @@ def check_backbone_fields(config) -> None:
     """Check the transformer fields that AD and Headless-AD configs share (sizes, dropouts, head split);
     a ``ValueError`` / ``TypeError`` naming the field."""
     for name in ("num_states", "seq_len", "d_model", "num_heads"):
-        check_int(getattr(config, name), name, low=1)
-    check_int(config.observation_dim, "observation_dim", low=0)
+        check_int(getattr(config, name), name, min_value=1)
+    check_int(config.observation_dim, "observation_dim", min_value=0)
     for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
         if not 0.0 <= check_float(getattr(config, name), name, low=0.0) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")

@@ -36,11 +36,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from icrl_kernels._backend import BACKENDS
-from icrl_kernels._validation import check_values
-from icrl_kernels.modules.gpt2_block import GPT2Block
+from icrl_kernels import BACKENDS
+from icrl_kernels.modules import GPT2Block
+from icrl_kernels.validation import check_generator, check_values
 
-from .._checks import check_generator
 from ..data.histories import LearningHistories
 from ..envs.base import BatchedEnv, as_index_array
 from .ad import masked_cross_entropy

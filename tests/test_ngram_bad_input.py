@@ -15,6 +15,7 @@ from icrl_kernels import (
     NGramPlan,
     ngram_attention,
     ngram_attention_reference,
+    ngram_match_matrix,
     ngram_plan,
     transition_ids,
 )
@@ -103,7 +104,15 @@ BAD = [
         ValueError,
         "plan.perm must have shape",
     ),
-    # ngram_attention_reference (the spec checks nothing beyond what its math needs; see the table below)
+    # ngram_attention_reference: the op's checks (the spec behind them computes whatever the op accepts)
+    ("reference h int", lambda: ngram_attention_reference(H.long(), IDS, 2), TypeError, "h must have dtype"),
+    ("reference ids float", lambda: ngram_attention_reference(H, IDS.float(), 2), TypeError, "ids must have dtype"),
+    ("reference ids shape", lambda: ngram_attention_reference(H, IDS[:, :3], 2), ValueError, "ids must have shape"),
+    ("reference n zero", lambda: ngram_attention_reference(H, IDS, 0), ValueError, "n must be >= 1"),
+    # ngram_match_matrix
+    ("match ids float", lambda: ngram_match_matrix(IDS.float(), 2), TypeError, "ids must have dtype"),
+    ("match ids 1-D", lambda: ngram_match_matrix(IDS[0], 2), ValueError, "ids must be 2-D"),
+    ("match n float", lambda: ngram_match_matrix(IDS, 1.5), TypeError, "n must be an int"),
     # ngram_plan
     ("plan ids float", lambda: ngram_plan(IDS.float(), 2), TypeError, "ids must have dtype"),
     ("plan ids 1-D", lambda: ngram_plan(IDS[0], 2), ValueError, "ids must be 2-D"),

@@ -1,4 +1,4 @@
-"""Cost models of MoA gating: the whole attention layer and the ``mixture_of_heads`` op (see :mod:`icrl_kernels._cost`).
+"""Cost models of MoA gating: the whole attention layer and the ``mixture_of_heads`` op (see :mod:`benchmarks.cost`).
 
 Shapes: ``x [B, L, D]`` with ``D = H * Dh``; ``head_out [B, L, H, Dh]``; ``gate_logits [B, L, H]``.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
+from . import OpCost, itemsize
 
 
 def attention_params(D: int, H: int, *, gated: bool = True) -> int:
