@@ -233,8 +233,8 @@ OPS: dict[str, OpSpec] = {
     ),
     "dt_moa_train_step": OpSpec(
         "DT with MoA training step",
-        ours={"cuda": ("moa+graph", "moa"), "cpu": ("moa",)},
-        peers=("moa-reference", "ungated"),
+        ours={"cuda": ("moa+graph", "moa-fused+graph", "moa", "moa-fused"), "cpu": ("moa", "moa-fused")},
+        peers=("moa-reference", "ungated", "ungated+graph"),
         roofline_target=False,
     ),
     "ad_eval_step": OpSpec(

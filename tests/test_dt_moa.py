@@ -67,6 +67,25 @@ def test_shapes_and_gates(gate):
     assert ungated(*inputs, return_gates=True)[1] == {}
 
 
+@pytest.mark.parametrize("gate", ["softmax", "linear"])
+def test_fused_attention_of_the_moa_layers_equals_sdpa(gate):
+    """``attention="fused"`` (one gated_attention kernel in the MoA layers) computes what SDPA + the gating op
+    does: the same parameters give the same logits and gradients; it needs dropout 0."""
+    sdpa, fused = _model(gate=gate, moa_layers=(0, 1)), _model(gate=gate, moa_layers=(0, 1), attention="fused")
+    fused.load_state_dict(sdpa.state_dict())
+    inputs = _inputs(2, 5, sdpa.config)
+    want, got = sdpa(*inputs), fused(*inputs)
+    assert_close_rel(got, want, name="logits")
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, a), b in zip(sdpa.named_parameters(), fused.parameters()):
+        assert_close_rel(b.grad, a.grad, name=f"grad {name}")
+    with pytest.raises(ValueError, match="attention='fused' needs dropout=0"):
+        DTMoAConfig(**{**SMALL, "attention": "fused", "dropout": 0.1})
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DTMoAConfig(**{**SMALL, "attention": "flash"})
+
+
 def test_causal_future_steps_do_not_change_earlier_logits():
     model = _model()
     rtg, states, actions, timesteps = _inputs(2, 6, model.config)

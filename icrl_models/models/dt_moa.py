@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from icrl_kernels import BACKENDS
-from icrl_kernels.modules import GPT2Block
+from icrl_kernels.modules import ATTENTION_IMPLEMENTATIONS, GPT2Block
 from icrl_kernels.validation import check_generator, check_values
 
 from ..data.histories import LearningHistories
@@ -76,6 +76,10 @@ class DTMoAConfig:
     rtg_scale: float = 1.0
     #: Kernel backend of the MoA gating op ("auto", "triton", "eager", "reference").
     backend: str = "auto"
+    #: Attention of the MoA layers: "sdpa" (PyTorch's SDPA, then the gating op) or "fused" (one
+    #: ``gated_attention`` kernel with the gate in its epilogue; needs ``dropout=0``, and takes no head masks,
+    #: so head ablations need "sdpa"). Plain layers always use SDPA.
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         self.state_sizes = tuple(int(n) for n in self.state_sizes)
@@ -100,6 +104,12 @@ class DTMoAConfig:
             raise ValueError(f"rtg_scale must be > 0, got {self.rtg_scale}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
+        if self.attention == "fused" and self.dropout > 0:
+            raise ValueError(
+                f"attention='fused' needs dropout=0 (its kernel has no attention dropout), got {self.dropout}"
+            )
 
     @property
     def num_states(self) -> int:
@@ -140,7 +150,8 @@ class DecisionTransformerMoA(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             GPT2Block(d, config.n_head, gate=config.gate if i in config.moa_layers else None, dropout=config.dropout,
-                      eps=config.layer_norm_epsilon, backend=config.backend)
+                      eps=config.layer_norm_epsilon, backend=config.backend,
+                      attention=config.attention if i in config.moa_layers else "sdpa")
             for i in range(config.n_layer)
         )  # fmt: skip
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
