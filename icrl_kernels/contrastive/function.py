@@ -265,8 +265,8 @@ def select_actions(
         if sample:
             shape = tuple(pred.shape[:-1]) + (action_embeds.shape[-2],)
             gumbel = gumbel_noise(shape, generator=generator, device=pred.device)
-        check_rows_have_actions(canonical_inputs.mask)
-        return reference.select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)
+        # The checked spec: rows without an action, and NaN logits of available actions, raise there.
+        return select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)
     # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
     seed = _draw_seed(generator, pred.device) if sample else torch.zeros(1, dtype=torch.int64, device=pred.device)
     mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
