@@ -86,8 +86,8 @@ def test_sanitizer_parts_cover_every_kernel_file_and_each_selection_finds_tests(
         "ngram/kernels.py": "tests/test_ngram_attention.py", "ngram/tiled_kernels.py": "tests/test_ngram_attention.py",
         "ngram/plan_kernels.py": "tests/test_ngram_plan_kernels.py",
         "contrastive/kernels.py": "tests/test_contrastive_kernels.py", "moa/kernels.py": "tests/test_moa_kernels.py",
-        "looped/kernels.py": "tests/test_inject_layer_norm.py", "smeared/kernels.py": "tests/test_smeared_keys.py",
-        "attention/kernels.py": "tests/test_gated_attention.py",
+        "looped/kernels.py": "tests/test_looped_kernels.py", "smeared/kernels.py": "tests/test_smeared_kernels.py",
+        "attention/kernels.py": "tests/test_attention_kernels.py",
     }  # fmt: skip
     modules = {
         str(p.relative_to(gpu_check.ROOT / "icrl_kernels"))
