@@ -465,7 +465,8 @@ def test_ignore_index_values(backend, device, ignore_index):
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 def test_all_rows_ignored(backend, device):
-    """Every row padding: the sum is 0 with zero gradients; the mean is NaN (0 / 0), as in the reference."""
+    """Every row padding: the sum is 0 with zero gradients; the mean is NaN (0 / 0), as in the reference, and
+    its gradients are zero too (the reference's are: ignored rows take no share of the inf upstream)."""
     gen = torch.Generator().manual_seed(10)
     pred = torch.randn(2, 5, 16, generator=gen).to(device).requires_grad_(True)
     embeds = torch.randn(7, 16, generator=gen).to(device).requires_grad_(True)
@@ -475,7 +476,10 @@ def test_all_rows_ignored(backend, device):
     grad_pred, grad_embeds = torch.autograd.grad(total, (pred, embeds))
     assert not grad_pred.any() and not grad_embeds.any()
     mean = infonce_loss(pred, embeds, targets, backend=backend)
-    assert torch.isnan(mean) and torch.isnan(infonce_loss_reference(pred, embeds, targets))
+    expected = infonce_loss_reference(pred, embeds, targets)
+    assert torch.isnan(mean) and torch.isnan(expected)
+    for grad, grad_ref in zip(torch.autograd.grad(mean, (pred, embeds)), torch.autograd.grad(expected, (pred, embeds))):
+        assert not grad.any() and not grad_ref.any()
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -1258,18 +1262,41 @@ def _fp16_precision_problem(device: str):
 
 
 def _large_tiles():
-    """Force the 64/128-row configs of the InfoNCE kernels (fewer, larger programs: the interpreter's cost
-    is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's logits."""
+    """Force the fused algorithm and the 64/128-row configs of its kernels (fewer, larger programs: the
+    interpreter's cost is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's
+    logits (test_contrastive_algorithms.py checks the other algorithms)."""
     from icrl_kernels._triton import autotune_configs
     from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
     from icrl_kernels.testing import forced_config
 
     stack = contextlib.ExitStack()
+    stack.enter_context(forced_algorithm(FUSED))
     for kernel, rows in ((kernels._infonce_forward_kernel, 128), (kernels._infonce_grad_pred_kernel, 64),
                          (kernels._infonce_grad_embeds_kernel, 64)):  # fmt: skip
         config = next(c for c in autotune_configs(kernel) if c.kwargs["BLOCK_N"] == rows and c.kwargs["BLOCK_D"] == 64)
         stack.enter_context(forced_config(kernel, config))
     return stack
+
+
+def check_fp16_gradients(pred, embeds, targets, upstream, *, backend: str, tau: float, reduction: str, context):
+    """Both gradients of ``infonce_loss`` on fp16 inputs (run within ``context``) within 5% of the error of the
+    fp32 reference's rounded to fp16, both against float64; return the fp32 and float64 gradients."""
+
+    def grads(fn, dtype):
+        p, e = pred.detach().to(dtype).requires_grad_(True), embeds.detach().to(dtype).requires_grad_(True)
+        loss = fn(p, e, targets, tau=tau, reduction=reduction)
+        return torch.autograd.grad(loss, (p, e), upstream.to(loss.dtype))
+
+    with context:
+        ours = grads(functools.partial(infonce_loss, backend=backend), torch.float16)
+    fp32 = grads(infonce_loss_reference, torch.float32)
+    truth = grads(infonce_loss_reference, torch.float64)
+    for name, out, ref32, ref64 in zip(("grad_pred", "grad_embeds"), ours, fp32, truth):
+        assert out.dtype == torch.float16
+        error, rounded_error = relative_rms_error(out, ref64), relative_rms_error(ref32.half(), ref64)
+        assert error <= 1.05 * rounded_error, (name, error, rounded_error)
+    return fp32, truth
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -1280,20 +1307,10 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
     fp16 for the dot (the old kernels) fails: the check at the end shows this test would catch it."""
     pred, embeds, targets, weights = _fp16_precision_problem(device)
     tau = 0.7
-
-    def grads(fn, dtype):
-        p, e = pred.detach().to(dtype).requires_grad_(True), embeds.detach().to(dtype).requires_grad_(True)
-        loss = fn(p, e, targets, tau=tau, reduction="none")
-        return torch.autograd.grad(loss, (p, e), weights.to(loss.dtype))
-
-    with _large_tiles() if backend == "triton" else contextlib.nullcontext():
-        ours = grads(functools.partial(infonce_loss, backend=backend), torch.float16)
-    fp32 = grads(infonce_loss_reference, torch.float32)
-    truth = grads(infonce_loss_reference, torch.float64)
-    for name, out, ref32, ref64 in zip(("grad_pred", "grad_embeds"), ours, fp32, truth):
-        assert out.dtype == torch.float16
-        error, rounded_error = relative_rms_error(out, ref64), relative_rms_error(ref32.half(), ref64)
-        assert error <= 1.05 * rounded_error, (name, error, rounded_error)
+    fp32, truth = check_fp16_gradients(
+        pred, embeds, targets, weights, backend=backend, tau=tau, reduction="none",
+        context=_large_tiles() if backend == "triton" else contextlib.nullcontext(),
+    )  # fmt: skip
     # Power: scaling by w / tau before the fp16 cast (the old kernels) misses the bound on grad_pred.
     p64, e64 = pred.double(), embeds.double()
     probs = torch.softmax(p64 @ e64.T / tau, -1)
@@ -1339,10 +1356,12 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
     config), with a parity check of the run itself."""
     from icrl_kernels._triton import autotune_configs
     from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
 
     launches = _launch_spy(monkeypatch)
     case = Case("width", (7, dim), num_actions, False, None, 0.0, 1.0, "sum")
-    check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
+    with forced_algorithm(FUSED):  # A = 9 would take the one-kernel algorithm
+        check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
     grids = {name: grid for name, grid in launches}
     assert set(grids) == {"infonce_forward", "infonce_grad_pred", "infonce_grad_embeds"}
     for name, index in (("infonce_grad_pred", 0), ("infonce_grad_embeds", 1)):
@@ -1381,9 +1400,13 @@ def test_padded_mask_layout():
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 @pytest.mark.parametrize("where", ["pred", "action_embeds"])
 def test_select_nan_is_reported_and_masked_actions_never_chosen(backend, device, where):
+    check_select_nan(backend, device, where)
+
+
+def check_select_nan(backend: str, device: str, where: str) -> None:
     """NaN in ``pred`` or the map raises ValueError naming both arguments; with value checks off, every
     row still gets an available action (NaN scores rank lowest; rows of all-NaN scores take their first
-    available action, never action 0 when it is masked)."""
+    available action, never action 0 when it is masked). Also used by test_contrastive_algorithms.py."""
     from icrl_kernels import set_value_checks
 
     gen = torch.Generator().manual_seed(41)
@@ -1417,9 +1440,14 @@ def test_select_nan_is_reported_and_masked_actions_never_chosen(backend, device,
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 @pytest.mark.parametrize("mode", ["argmax", "sample"])
 def test_select_overflowing_logits_never_choose_masked(backend, device, mode):
+    check_select_overflow(backend, device, mode)
+
+
+def check_select_overflow(backend: str, device: str, mode: str) -> None:
     """tau = 1e-38 sends every logit to +-inf. Rows whose available logits are all -inf must get their
     first available action (the kernel's running best once started at action 0, which is masked here);
-    rows with several +inf available logits, the lowest of them in argmax mode."""
+    rows with several +inf available logits, the lowest of them in argmax mode. Also used by
+    test_contrastive_algorithms.py."""
     gen = torch.Generator().manual_seed(42)
     embeds = torch.randn(150, 16, generator=gen)
     pred = torch.randn(40, 16, generator=gen) * 1000  # |logits| ~ 4e3 / 1e-38: +-inf in fp32
@@ -1461,7 +1489,7 @@ def test_eager_gumbel_noise_is_a_device_function_of_the_seed():
 
 _OFFLINE_COMPILE = """
 import itertools
-from icrl_kernels.contrastive import kernels as k
+from icrl_kernels.contrastive import chunked_kernels as ck, kernels as k, small_kernels as sk
 from icrl_kernels.testing import compile_offline, config_jobs
 
 # benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
@@ -1489,6 +1517,12 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         "stride_mb": T * mask_cols if masked else 0, "stride_mt": mask_cols if masked else 0,
         "stride_ma": 1 if masked else 0, "stride_gb": T * D, "stride_gt": D, "stride_os": A * D, "stride_oa": D,
         "out_ptr": "*fp32" if splits > 1 else "*" + dtype,  # grad_embeds; selection's is overridden below
+        # The algorithms of contrastive/algorithms.py: the small kernel's mean count; the chunk kernels' chunk of
+        # 2048 rows x A fp32 logits (row chunks; the gradient operand in place, half-precision rows of 2 A) and
+        # their per-row state.
+        "count_ptr": "*i64", "logits_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "hit_ptr": "*fp32",
+        "actions_ptr": "*i32", "targets_ok_ptr": "*i32", "best_ptr": "*fp32", "choice_ptr": "*i64",
+        "ROW0": 2048, "R": 2048, "A0": 0, "C": A, "stride_lr": A, "stride_gr": A if dtype == "fp32" else 2 * A,
     }
     flags = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "DO_FULL": k._do_full(D)}
     info = {"A": A, "D": D, "mask": masked, "dtype": dtype}
@@ -1501,6 +1535,17 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         jobs += config_jobs(k._infonce_forward_kernel, signature, {**flags, "BLOCK_A": block_a}, **info)
         jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
                             {**flags, "BLOCK_A": k._block_a(A, half)}, **info)
+    if A <= 128:  # the small algorithm: one action tile, the gradient for pred in the same kernel (any width)
+        jobs += config_jobs(sk._infonce_small_kernel, signature,
+                            {**flags, "BLOCK_A": 128, "WRITE_GRAD": True, "ROW_WEIGHTS": sk.WEIGHT_MEAN}, **info)
+    elif D == 512:  # the chunk kernels read logits, not pred: the width does not matter
+        for stats, first, last, grad in ((True, True, True, True), (True, True, False, False),
+                                         (True, False, True, False), (False, False, False, True)):
+            jobs += config_jobs(ck._infonce_chunk_kernel, signature, {**flags, "STATS": stats, "FIRST": first,
+                                "LAST": last, "WRITE_GRAD": grad}, **info, mode=f"stats{int(stats)}-grad{int(grad)}")
+        for first, last in ((True, True), (False, False)):
+            jobs += config_jobs(ck._select_chunk_kernel, {**signature, "out_ptr": "*i64", "nan_ptr": "*i32"},
+                                {**flags, "FIRST": first, "LAST": last}, **info)
 compile_offline(jobs)
 """
 
@@ -1514,16 +1559,20 @@ def test_kernels_compile_for_sm90_offline():
     cubins in every autotune config, in bf16 and fp32, at the benchmark shapes (A = 125 and 4096, D = 512
     and 1024, masked and not), and check that none spills more than ``MAX_SPILL_BYTES`` per thread (the
     fp32 backward with 128-action tiles spilled 17-30 KB; full-width accumulators over 128 threads 1.2 KB)
-    or needs more shared memory than an H100 has (128 actions x 1024 columns of bf16 map took 270 KB)."""
+    or needs more shared memory than an H100 has (128 actions x 1024 columns of bf16 map took 270 KB). The
+    kernels of the other algorithms too (contrastive/algorithms.py): the small kernel at A = 125 (every
+    width), the chunk kernels at A = 4096 in each of their modes (statistics, carried state, gradient)."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
     check_offline_reports(reports, {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
-                                    "_infonce_grad_embeds_kernel", "_select_actions_kernel"})  # fmt: skip
+                                    "_infonce_grad_embeds_kernel", "_select_actions_kernel", "_infonce_small_kernel",
+                                    "_infonce_chunk_kernel", "_select_chunk_kernel"})  # fmt: skip
     heavy = [report for report in reports if report["shared"] > MAX_SHARED_BYTES]
     assert not heavy, f"shared memory above {MAX_SHARED_BYTES} bytes: {heavy}"
     # InfoNCE at A >= 4096 is bound by its dots (the H200 profile: 88-100% device-busy). On Hopper, tiles of
     # 64 rows or more must compile to warpgroup MMA (wgmma, "v3"); 32-row tiles get mma.sync ("v2"). A
     # change of layout or operand that makes a dot ineligible would halve its peak without failing a test.
     half_tiles = [r for r in reports if r["dtype"] == "bf16" and int(re.search(r"BLOCK_N(\d+)", r["config"])[1]) >= 64]
-    assert {r["name"] for r in half_tiles} >= {"_infonce_forward_kernel", "_infonce_grad_pred_kernel"}
+    assert {r["name"] for r in half_tiles} >= {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
+                                               "_infonce_small_kernel"}  # fmt: skip
     not_wgmma = [(r["name"], r["config"], r["A"], r["mask"], r["mma"]) for r in half_tiles if "v3" not in r["mma"]]
     assert not not_wgmma, f"bf16 tiles of >= 64 rows without wgmma on sm_90: {not_wgmma}"
