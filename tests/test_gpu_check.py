@@ -124,6 +124,17 @@ def test_dry_run_env_stage_measures_the_ceilings(tmp_path):
     assert facts["torch"] and "copy bandwidth" in (tmp_path / "env.md").read_text()
 
 
+def test_dry_run_infonce_crossover_stage_times_every_algorithm(tmp_path):
+    """The sweep behind the InfoNCE / selection thresholds (``contrastive/algorithms.py``) runs end to end on
+    the CPU smoke shapes: every algorithm of both ops, and a table that names the fastest per shape."""
+    assert gpu_check.main([str(tmp_path), "--stages", "infonce-crossover", "--dry-run"]) == 0
+    backends = {bench["extra_info"]["backend"] for bench in json.loads((tmp_path / "infonce-crossover.json")
+                                                                       .read_text())["benchmarks"]}  # fmt: skip
+    assert {"small", "fused", "row-chunks", "action-chunks", "row-chunks@16MiB"} <= backends
+    table = (tmp_path / "infonce-crossover.md").read_text()
+    assert "### infonce-crossover" in table and "### select-crossover" in table and "| fastest |" in table
+
+
 # -- what the parity stage selects on a CUDA machine ------------------------------------------------
 def test_cuda_tests_get_plain_devices_and_the_gpu_marker(tmp_path):
     """On a CUDA machine every Triton test gets the device as the plain string ``"cuda"`` (a nested
