@@ -35,6 +35,8 @@ Stages (in order; ``--stages all`` runs them all):
 ``profile`` our headline cases again, each followed by 5 calls under ``torch.profiler``: device-busy time
            per call against the median (kernel- or host-bound), launches per call, the longest kernels
 ``ngram-crossover`` the tiled against the sort n-gram kernels over ``L`` (``TILED_MAX_LENGTH``'s data)
+``infonce-crossover`` every InfoNCE and selection algorithm forced over ``A`` = 125..10^6 (the thresholds of
+           ``icrl_kernels/contrastive/algorithms.py``, and the new kernels' autotuning)
 ``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
            ``--backend reference``: steps per second, and whether the loss falls
 ``paper-goals`` issue 19's GPU run: ``icrl-compare --preset goals-paper`` with one Table 1 draw per setting
@@ -117,8 +119,10 @@ SANITIZER_PARTS = (
         "memcheck-contrastive", "memcheck",
         (("tests/test_contrastive_kernels.py",
           "(single_available_action or masked_actions_get_exactly or masked_actions_are_never_chosen "
-          "or select_overflowing) and {device}"),),
-        "InfoNCE forward, grad_pred, grad_embeds; select_actions",
+          "or select_overflowing) and {device}"),
+         ("tests/test_contrastive_algorithms.py",
+          "(single_available_action or masked_actions_get_exactly or select_overflow) and {device}")),
+        "InfoNCE forward, grad_pred, grad_embeds (fused, small, row and action chunks); select_actions",
     ),
     SanitizerPart(
         "memcheck-attention", "memcheck",
@@ -134,6 +138,8 @@ SANITIZER_PARTS = (
          ("tests/test_ngram_plan_kernels.py", "rows_of_several_tiles and vocab81 and {device}"),
          ("tests/test_contrastive_kernels.py",
           "((single_available_action and shared) or (masked_actions_are_never_chosen and argmax)) and {device}"),
+         ("tests/test_contrastive_algorithms.py",
+          "((single_available_action and shared) or (select_overflow and argmax)) and {device}"),
          ("tests/test_moa_kernels.py", "single_head and {device}"),
          ("tests/test_looped_kernels.py", "optional_inputs and y0 and {device}"),
          ("tests/test_smeared_kernels.py", "strided and {device}"),
@@ -579,6 +585,12 @@ def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "ngram-crossover", ["benchmarks/bench_ngram_attention.py", "-k", "tiled_crossover"])
 
 
+def stage_infonce_crossover(ctx: Context) -> tuple[str, dict]:
+    """Every InfoNCE and selection algorithm forced over ``A`` (bf16, N 65536, D 512): the data of the thresholds
+    in ``icrl_kernels/contrastive/algorithms.py`` (benchmarks/results/README.md says what to read from it)."""
+    return _benchmark_stage(ctx, "infonce-crossover", ["benchmarks/bench_infonce.py", "-k", "crossover"])
+
+
 #: The training runs of the ``train`` stage, each in every :data:`TRAIN_MODES`: ``(name, model and task flags,
 #: size flags)`` (the dry run replaces the size flags by a tiny size). The main job (N-Gram AD, width 64),
 #: N-Gram AD at the paper's width 512, and Headless-AD on bandits.
@@ -721,6 +733,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
                 "under torch.profiler: device-busy time against the median, launches, longest kernels"),
     "ngram-crossover": (stage_ngram_crossover, "~1-2 min (estimate): tiled vs sort n-gram kernels over L, "
                         "fp32 and bf16 (TILED_MAX_LENGTH)"),
+    "infonce-crossover": (stage_infonce_crossover, "~4-6 min (estimate): 34 InfoNCE cases (forward + backward, the "
+                          "algorithms at 8 action counts, graph replays up to A = 16384, 3 more chunk sizes at "
+                          "A = 4096) and 36 selection cases; the fused kernels at A = 10^6 take ~1 s a call"),
     "train": (stage_train, "~5-8 min (estimate): 400 steps of icrl-train, the main job, N-Gram AD at width 512 and "
               "Headless-AD, each with the fused kernels, the same replayed from a CUDA graph (--cuda-graph), and "
               "--backend reference, after 200 histories per environment are generated"),
@@ -735,7 +750,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
 def base_env(dry_run: bool, wheels: Path | None) -> dict[str, str]:
     """The environment the stages' subprocesses run in: the checkout first on ``PYTHONPATH``; the
     interpreter on in a dry run and off otherwise; ``--wheels`` installed into a temporary folder."""
-    env = dict(os.environ)
+    # A pytest-xdist worker's variables would make the stages' own pytest runs believe they are workers too
+    # (pytest-benchmark then disables itself and writes no results): the stages start fresh sessions.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST_")}
     paths = [str(ROOT)]
     if wheels is not None:
         target = Path(tempfile.mkdtemp(prefix="gpu_check_wheels_"))

@@ -289,6 +289,7 @@ def differentiable_op(
     differentiable_outputs: int | None = None,
     pass_needs_grad: bool = False,
     traceable: Traceable = False,
+    materialize_grads: bool = True,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -313,6 +314,10 @@ def differentiable_op(
             registered with ``torch.library.triton_op`` where :func:`uses_triton_op` allows. A sequence of
             strings, e.g. ``("triton",)``, limits that to calls whose ``impl`` argument (found by name in
             ``forward`` and ``backward``) is one of them; other calls stay single opaque nodes.
+        materialize_grads: ``False``: autograd passes no zero-filled gradient for the outputs past
+            ``differentiable_outputs`` (a side output as large as an input, e.g. a gradient saved for the
+            backward, would otherwise cost a memset and its memory in every backward); the backward must
+            then never need the gradient of an unused differentiable output.
 
     Returns:
         ``(forward_op, backward_op)``: ``CustomOpDef`` s of ``torch.ops.icrl.<name>`` and
@@ -323,6 +328,8 @@ def differentiable_op(
     backward_op = _register(f"{name}_backward", backward, backward_fake, traceable)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
         saved = save(inputs, output)
         ctx.num_inputs = len(inputs)
         ctx.tensor_slots = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]

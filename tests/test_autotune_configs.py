@@ -79,13 +79,14 @@ def check_ngram(algorithm: str, device: str, dtype: torch.dtype) -> None:
     assert_close_rel(grad, grad_ref, rms_tol=RMS_TOLERANCE[dtype], name="grad_h")
 
 
-def _contrastive_inputs(device: str, dtype: torch.dtype):
+def _contrastive_inputs(device: str, dtype: torch.dtype, actions: int | None = None):
     """``pred [B, T, D]``, one shared map ``[A, D]``, a ``[B, T, A]`` mask and targets among the available
     actions; logits of standard deviation about 2 (peaked, not one-hot)."""
     tiny = device == "cpu"
     # Tiny: A = 150 is 10 FMA action tiles or 2 tensor-core ones, D = 40 two BLOCK_D chunks of 32.
     # CUDA: N = 800 rows, D = 512 (one grad_pred block of all 512 columns), A = 1000 (ragged action tiles).
-    batch, steps, dim, actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
+    batch, steps, dim, default_actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
+    actions = actions or default_actions
     gen = _generator(dim + actions)
     pred = torch.randn(batch, steps, dim, generator=gen)
     embeds = torch.randn(actions, dim, generator=gen) * (2.0 / math.sqrt(dim))
@@ -94,10 +95,10 @@ def _contrastive_inputs(device: str, dtype: torch.dtype):
     return pred.to(device, dtype), embeds.to(device, dtype), mask.to(device), targets.to(device)
 
 
-def check_infonce(device: str, dtype: torch.dtype) -> None:
+def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None) -> None:
     """``infonce_loss(backend="triton")`` and both gradients against the fp32 reference on the same inputs,
     with and without a mask (``HAS_MASK`` compiles two variants of every kernel)."""
-    pred, embeds, mask, targets = _contrastive_inputs(device, dtype)
+    pred, embeds, mask, targets = _contrastive_inputs(device, dtype, actions)
     for masked in (False, True):
         kwargs = {"mask": mask if masked else None, "tau": 0.7, "reduction": "none"}
         leaves = (pred.detach().clone().requires_grad_(True), embeds.detach().clone().requires_grad_(True))
@@ -168,6 +169,27 @@ def check_gated_attention(device: str, dtype: torch.dtype) -> None:
             assert_close_rel(actual, expected, rms_tol=tol, name=f"{gate} {name}")
 
 
+def forced(algorithm: str, check):
+    """``check`` under the InfoNCE / selection ``algorithm`` (``contrastive/algorithms.py``); chunked ones in
+    chunks of 4 rows (and 64 actions) under the interpreter, so that several chunks run, of 256 rows on CUDA."""
+
+    def run(device: str, dtype: torch.dtype) -> None:
+        from icrl_kernels.contrastive.algorithms import forced_algorithm
+
+        rows = 4 if device == "cpu" else 256
+        with forced_algorithm(algorithm, chunk_bytes=4 * rows * 64, action_chunk=64):
+            check(device, dtype)
+
+    return run
+
+
+def _chunked(check):
+    """``check`` with row chunks and with action chunks."""
+    return lambda device, dtype: [forced(algorithm, check)(device, dtype) for algorithm in CHUNKED_ALGORITHMS]
+
+
+CHUNKED_ALGORITHMS = ("row-chunks", "action-chunks")
+
 #: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
 CHECKS = {
     "ngram_forward": lambda device, dtype: check_ngram("sort", device, dtype),
@@ -178,6 +200,9 @@ CHECKS = {
     "infonce_grad_pred": check_infonce,
     "infonce_grad_embeds": check_infonce,
     "select_actions": check_select,
+    "infonce_small": forced("small", lambda device, dtype: check_infonce(device, dtype, actions=100)),
+    "infonce_chunk": _chunked(check_infonce),
+    "select_chunk": _chunked(check_select),
     "gated_attention_forward": check_gated_attention,
     "gated_attention_backward_dkdv": check_gated_attention,
     "gated_attention_backward_dq": check_gated_attention,

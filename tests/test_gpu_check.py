@@ -86,6 +86,8 @@ def test_sanitizer_parts_cover_every_kernel_file_and_each_selection_finds_tests(
         "ngram/kernels.py": "tests/test_ngram_attention.py", "ngram/tiled_kernels.py": "tests/test_ngram_attention.py",
         "ngram/plan_kernels.py": "tests/test_ngram_plan_kernels.py",
         "contrastive/kernels.py": "tests/test_contrastive_kernels.py", "moa/kernels.py": "tests/test_moa_kernels.py",
+        "contrastive/small_kernels.py": "tests/test_contrastive_algorithms.py",
+        "contrastive/chunked_kernels.py": "tests/test_contrastive_algorithms.py",
         "looped/kernels.py": "tests/test_looped_kernels.py", "smeared/kernels.py": "tests/test_smeared_kernels.py",
         "attention/kernels.py": "tests/test_attention_kernels.py",
     }  # fmt: skip
@@ -208,6 +210,17 @@ def test_dry_run_env_stage_measures_the_ceilings(tmp_path):
     facts = json.loads((tmp_path / "env.json").read_text())
     assert facts["copy_bytes_per_second"] > 0 and facts["matmul_bfloat16_flops_per_second"] > 0
     assert facts["torch"] and "copy bandwidth" in (tmp_path / "env.md").read_text()
+
+
+def test_dry_run_infonce_crossover_stage_times_every_algorithm(tmp_path):
+    """The sweep behind the InfoNCE / selection thresholds (``contrastive/algorithms.py``) runs end to end on
+    the CPU smoke shapes: every algorithm of both ops, and a table that names the fastest per shape."""
+    assert gpu_check.main([str(tmp_path), "--stages", "infonce-crossover", "--dry-run"]) == 0
+    backends = {bench["extra_info"]["backend"] for bench in json.loads((tmp_path / "infonce-crossover.json")
+                                                                       .read_text())["benchmarks"]}  # fmt: skip
+    assert {"small", "fused", "row-chunks", "action-chunks", "row-chunks@16MiB"} <= backends
+    table = (tmp_path / "infonce-crossover.md").read_text()
+    assert "### infonce-crossover" in table and "### select-crossover" in table and "| fastest |" in table
 
 
 # -- what the parity stage selects on a CUDA machine ------------------------------------------------

@@ -10,6 +10,8 @@ from .._backend import resolve_backend
 from .._library import differentiable_op, inference_op
 from .._validation import check_positive_float, check_values
 from . import reference
+from .algorithm_ops import infonce_loss_by_algorithm, select_actions_by_algorithm_op
+from .algorithms import FUSED, infonce_algorithm, select_algorithm
 from .checks import (
     IGNORE_INDEX,
     NAN_LOGIT_MESSAGE,
@@ -175,7 +177,8 @@ def infonce_loss(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Contrastive (InfoNCE) action loss of Headless-AD: cross-entropy of ``targets`` under
-    ``softmax_a(pred . e_a / tau)`` over the available actions, fused (the logits never reach memory).
+    ``softmax_a(pred . e_a / tau)`` over the available actions, fused (the ``N x A`` logits never reach
+    memory; on the Triton backend the algorithm is chosen by ``A``: docs/ops.md, "Algorithms").
 
     Args:
         pred: predicted action embeddings ``[N, D]`` or ``[B, T, D]`` (``[B, D]`` or ``[B, T, D]`` with
@@ -198,7 +201,11 @@ def infonce_loss(
 
     Precision: the gradients are computed in fp32 (every scale, ``1 / tau``, the upstream gradient and the
     mean's ``1 / N``, applied in fp32) and rounded once to the input dtype, so fp16/bf16 gradients are as
-    accurate as the fp32 gradient rounded to that dtype. fp16 training still needs loss scaling, as
+    accurate as the fp32 gradient rounded to that dtype. (With ``"mean"``/``"sum"``, the Triton algorithms other
+    than the fused kernels compute the gradients in the forward for an upstream gradient of 1 and multiply them
+    by the actual one in the backward: exact for 1 or a power of two (as loss scaling uses) short of fp16's
+    subnormal range, one more rounding otherwise.) fp16
+    training still needs loss scaling, as
     anywhere: with ``reduction="mean"`` each row's gradient carries ``1 / N``, and at N = 65536 most of
     ``grad_pred`` lies in fp16's subnormal range (below 6.1e-5), where it keeps only a few bits.
 
@@ -218,6 +225,13 @@ def infonce_loss(
     targets2 = targets.reshape(canonical_inputs.pred.shape[:2])
     # Triton: a padded copy of a misaligned mask, made once per call (the backward reuses the saved one).
     mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
+    algorithm = infonce_algorithm(action_embeds.shape[-2], pred.dtype) if impl == "triton" else FUSED
+    if algorithm != FUSED:  # chosen by the number of actions (algorithms.py)
+        loss = infonce_loss_by_algorithm(
+            canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), targets2.contiguous(), mask3,
+            tau, ignore_index, reduction, algorithm,
+        )  # fmt: skip
+        return loss.reshape(targets.shape) if reduction == "none" else loss
     losses = infonce_op(
         canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), targets2.contiguous(), mask3,
         tau, ignore_index, impl,
@@ -270,9 +284,12 @@ def select_actions(
     # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
     seed = _draw_seed(generator, pred.device) if sample else torch.zeros(1, dtype=torch.int64, device=pred.device)
     mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
-    actions = select_actions_op(
-        canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), mask3, tau, sample, seed, impl
-    )
+    inputs = (canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), mask3, tau, sample, seed)
+    algorithm = select_algorithm(action_embeds.shape[-2], pred.dtype) if impl == "triton" else FUSED
+    if algorithm != FUSED:  # GEMM chunks (algorithms.py)
+        actions = select_actions_by_algorithm_op(*inputs, algorithm)
+    else:
+        actions = select_actions_op(*inputs, impl)
     return actions.reshape(pred.shape[:-1])
 
 
