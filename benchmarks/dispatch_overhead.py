@@ -76,6 +76,20 @@ def _cases():
                 y, prompt, None, torch.ones(32), torch.zeros(32), backend=backend
             )[1],
         ),
+        "gated_attention": (
+            lambda: tuple(torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)),
+            lambda backend, q, k, v: ik.gated_attention(q, k, v, None, backend=backend),
+        ),
+        "gated_attention (gated, smeared)": (
+            lambda: (
+                *(torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)),
+                torch.randn(2, 16, 4, requires_grad=True),
+                torch.zeros(4, requires_grad=True),
+            ),
+            lambda backend, q, k, v, logits, alpha: ik.gated_attention(
+                q, k, v, logits, smear_alpha=alpha, backend=backend
+            ),
+        ),
         "smeared_keys": (
             lambda: (torch.randn(2, 4, 16, 8, requires_grad=True), torch.zeros(4, requires_grad=True)),
             lambda backend, k, alpha: ik.smeared_keys(k, alpha, backend=backend),

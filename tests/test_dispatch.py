@@ -387,6 +387,8 @@ LAUNCHES_PER_CALL = {
     "select_actions (no grad)": (1, 1),
     "mixture_of_heads": (2, 2),
     "inject_layer_norm": (2, 7),
+    "gated_attention": (4, 3),  # forward, backward preprocess, dk/dv, dq
+    "gated_attention (gated, smeared)": (5, 8),
     "smeared_keys": (2, 7),
 }
 
