@@ -33,7 +33,6 @@ import torch
 
 from .._library import empty_output
 from .algorithms import chunk_shape
-from .chunked_kernels import RowState, infonce_chunk_triton, new_outputs, select_chunk_triton
 
 #: ``torch.mm`` / ``torch.bmm`` take ``out_dtype`` (torch >= 2.8): fp32 output of half-precision GEMMs on CUDA.
 _GEMM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
@@ -112,6 +111,12 @@ def infonce_chunked(
         ``(losses, lse, status, grad_pred, grad_embeds)``: float32 ``[B, T]`` losses and log-sum-exps, int8
         ``[B, T]`` statuses (``checks.ROW_*``), and the gradients in the inputs' dtype (None where not asked).
     """
+    from .chunked_kernels import (
+        RowState,
+        infonce_chunk_triton,
+        new_outputs,
+    )  # needs triton: imported where the kernels run
+
     batch, steps, dim = pred.shape
     groups, num_actions, _ = embeds.shape
     rows_per_chunk, action_chunk = chunk_shape(num_actions, algorithm)
@@ -173,6 +178,12 @@ def _gradient_gemms(chunk: RowChunk, operand, embeds, start: int, stop: int, acc
 def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, algorithm: str):
     """Chunked selection on canonical inputs: ``([B, T] int64 actions, [B, T] int8 status)`` as
     :func:`.kernels.select_actions_triton` returns them (the same Gumbel draw per ``(row, action)``)."""
+    from .chunked_kernels import (
+        RowState,
+        new_outputs,
+        select_chunk_triton,
+    )  # needs triton: imported where the kernels run
+
     batch, steps, _ = pred.shape
     groups, num_actions, _ = embeds.shape
     rows_per_chunk, action_chunk = chunk_shape(num_actions, algorithm)
