@@ -111,6 +111,7 @@ def infonce_chunked(
         ``(losses, lse, status, grad_pred, grad_embeds)``: float32 ``[B, T]`` losses and log-sum-exps, int8
         ``[B, T]`` statuses (``checks.ROW_*``), and the gradients in the inputs' dtype (None where not asked).
     """
+    # Imported here, where the kernels run: the module itself imports without triton.
     from .chunked_kernels import (
         RowState,
         infonce_chunk_triton,
@@ -178,6 +179,7 @@ def _gradient_gemms(chunk: RowChunk, operand, embeds, start: int, stop: int, acc
 def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, algorithm: str):
     """Chunked selection on canonical inputs: ``([B, T] int64 actions, [B, T] int8 status)`` as
     :func:`.kernels.select_actions_triton` returns them (the same Gumbel draw per ``(row, action)``)."""
+    # Imported here, where the kernels run: the module itself imports without triton.
     from .chunked_kernels import (
         RowState,
         new_outputs,
