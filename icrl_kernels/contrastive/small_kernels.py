@@ -51,7 +51,7 @@ _SMALL_CONFIGS = [
     triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
     triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8),
     triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
-    triton.Config({"BLOCK_N": 128, "BLOCK_D": 32}, num_warps=8),
+    # (128 x 32 rows spilled 368 bytes a thread with an fp32 mask under Triton 3.6, the GPU image's: left out.)
 ]
 
 
