@@ -116,7 +116,7 @@ def infonce_chunked(
         RowState,
         infonce_chunk_triton,
         new_outputs,
-    )  # needs triton: imported where the kernels run
+    )
 
     batch, steps, dim = pred.shape
     groups, num_actions, _ = embeds.shape
@@ -184,7 +184,7 @@ def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Ten
         RowState,
         new_outputs,
         select_chunk_triton,
-    )  # needs triton: imported where the kernels run
+    )
 
     batch, steps, _ = pred.shape
     groups, num_actions, _ = embeds.shape
