@@ -3,8 +3,11 @@
 
 * ``test_train_step``: one optimiser step (forward, backward, AdamW) on a batch of windows, for AD and
   N-Gram AD, with the library's kernels (``backend="auto"``), the same step replayed from a CUDA graph
-  (``"auto+graph"``, CUDA only: ``icrl-train --cuda-graph``) and with ``backend="reference"`` (the
-  dense O(L^2) n-gram reference). ``test_headless_train_step``: the same for Headless-AD (a new action
+  (``"auto+graph"``, CUDA only: ``icrl-train --cuda-graph``), with ``backend="reference"`` (the
+  dense O(L^2) n-gram reference), and the peer a user would pick instead of our kernels: the reference
+  model's loss under ``torch.compile(mode="reduce-overhead")`` (Inductor's kernels in CUDA graphs;
+  ``"reference+compile"``, CUDA only: an Inductor CPU compile of the model takes minutes).
+  ``test_headless_train_step``: the same for Headless-AD (a new action
   map every step, InfoNCE over a 20-action set), fused InfoNCE against the reference (materialised
   logits).
 * ``test_eval_step``: one in-context decision for ``num_envs`` environments at a context of
@@ -53,7 +56,9 @@ SIZE_PARAMS = as_params(SIZES, headline=SIZES[-1:], ids=lambda s: s.name)
 MODELS = {"ad": (), "ngram_ad": (1, 2)}
 #: The fused kernels with the whole step captured in one CUDA graph and replayed (CUDA only).
 GRAPH = "auto+graph"
-TRAIN_BACKENDS = ["auto", GRAPH, "reference"]
+#: The reference model's loss compiled by Inductor with its CUDA graphs (CUDA only).
+COMPILED = "reference+compile"
+TRAIN_BACKENDS = ["auto", GRAPH, "reference", COMPILED]
 EVAL_ROUNDS = 50
 
 
@@ -98,21 +103,27 @@ def test_train_step(benchmark, size: Size, model: str, backend: str):
         model=model,
         backend=backend,
         graphed=backend == GRAPH,
+        compiled=backend == COMPILED,
     )
 
 
 def _kernels(backend: str, device: torch.device) -> str:
-    """The model's ``backend=`` for a benchmark backend; a graphed one needs CUDA (else the case is skipped)."""
-    if not backend.endswith("+graph"):
+    """The model's ``backend=`` for a benchmark backend; a graphed or compiled one needs CUDA (else the case is
+    skipped)."""
+    if backend not in (GRAPH, COMPILED):
         return backend
     if device.type != "cuda":
-        pytest.skip("CUDA graphs need a CUDA device")
-    return "auto"
+        pytest.skip("CUDA graphs need a CUDA device" if backend == GRAPH else "reduce-overhead compiles for CUDA")
+    return "auto" if backend == GRAPH else "reference"
 
 
-def _time_train_step(benchmark, net, batch: dict, *info, graphed: bool = False, **more_info) -> None:
+def _time_train_step(
+    benchmark, net, batch: dict, *info, graphed: bool = False, compiled: bool = False, **more_info
+) -> None:
     """Time one optimiser step of ``net.loss(batch)`` (bf16 autocast on CUDA), after one warm-up step;
-    ``graphed``: the step is captured in a CUDA graph first and each timed step replays it (CUDA only).
+    ``graphed``: the step is captured in a CUDA graph first and each timed step replays it (CUDA only);
+    ``compiled``: ``net.loss`` runs under ``torch.compile(mode="reduce-overhead")`` (three warm-up steps: the
+    compile, then the recording of its CUDA graphs).
 
     ``extra_info`` gets ``info`` and ``more_info`` (which must name the ``op`` and the ``backend``), the
     device and, on CUDA, the peak memory of the timed steps. The benchmark group is the op and the size.
@@ -122,12 +133,14 @@ def _time_train_step(benchmark, net, batch: dict, *info, graphed: bool = False, 
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, capturable=graphed)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     headless = isinstance(net, HeadlessADModel)
+    loss_of = torch.compile(net.loss, mode="reduce-overhead") if compiled else net.loss
+    map_outside = headless and (graphed or compiled)  # the map's QR stays out of the graph and the compile
 
     def optimizer_step(inputs: dict) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         with autocast:
             # A graphed Headless-AD step reads the map drawn outside the graph; an eager one draws its own.
-            loss = net.loss(inputs, action_map=inputs.get("action_map")) if headless else net.loss(inputs)
+            loss = loss_of(inputs, action_map=inputs.get("action_map")) if headless else loss_of(inputs)
         loss.backward()
         optimizer.step()
         return loss.detach()
@@ -136,13 +149,12 @@ def _time_train_step(benchmark, net, batch: dict, *info, graphed: bool = False, 
 
     def step():
         # Graphed as icrl-train --cuda-graph runs it: Headless-AD's map is drawn per step outside the graph.
-        inputs = (
-            {**batch, "action_map": net.draw_action_map(batch["available"].shape[1])} if headless and graphed else batch
-        )
+        inputs = {**batch, "action_map": net.draw_action_map(batch["available"].shape[1])} if map_outside else batch
         runner(inputs)
         _sync(device)
 
-    step()  # warm-up (allocator, kernels)
+    for _ in range(3 if compiled else 1):
+        step()  # warm-up (allocator, kernels; the compile and its graphs' recording)
     for extra in info:
         benchmark.extra_info.update(extra)
     benchmark.extra_info.update(more_info, device=device_name(device), device_type=device.type, **_versions())
@@ -174,7 +186,7 @@ def test_headless_train_step(benchmark, size: Size, backend: str):
         "mask": torch.ones_like(states, dtype=torch.bool),
     }  # fmt: skip
     _time_train_step(benchmark, net, batch, size._asdict(), op="ad_train_step", model="headless_ad", backend=backend,
-                     graphed=backend == GRAPH)  # fmt: skip
+                     graphed=backend == GRAPH, compiled=backend == COMPILED)  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["incremental", "recompute"])

@@ -6,8 +6,12 @@
 * ``moa``: layer 0 MoA-gated (softmax), the library's gating kernel (``backend="auto"``);
 * ``moa+graph``: ``moa`` with the whole step replayed from a CUDA graph (CUDA only; ``icrl-markov
   --cuda-graph``);
+* ``moa-fused`` / ``moa-fused+graph``: the MoA layer's attention as one ``gated_attention`` kernel with the gate
+  in its epilogue (``DTMoAConfig(attention="fused")``) instead of SDPA + the gating op, eager and graphed;
 * ``moa-reference``: the same model with the readable reference gating (``backend="reference"``);
-* ``ungated``: no MoA layer (``gate=None`` everywhere): plain GPT-2 attention, the floor.
+* ``ungated`` / ``ungated+graph``: no MoA layer (``gate=None`` everywhere): plain GPT-2 attention, the floor.
+
+Every variant runs without dropout (the fused kernel has no attention dropout), so all do the same work.
 
 The CPU smoke set is tiny; the full set (CUDA, or ``ICRL_BENCH_FULL=1``) has the ``icrl-markov`` CPU
 preset's model and, on CUDA, GPT-2 small (12 x 12 x 768) at the paper's batch 64 and ``k = 20``.
@@ -46,8 +50,11 @@ SIZES = (GPU_FULL if torch.cuda.is_available() else CPU_FULL) if full_run() else
 VARIANTS = {
     "moa": dict(moa_layers=(0,), backend="auto"),
     "moa+graph": dict(moa_layers=(0,), backend="auto+graph"),
+    "moa-fused": dict(moa_layers=(0,), backend="auto", attention="fused"),
+    "moa-fused+graph": dict(moa_layers=(0,), backend="auto+graph", attention="fused"),
     "moa-reference": dict(moa_layers=(0,), backend="reference"),
     "ungated": dict(moa_layers=(), backend="auto"),
+    "ungated+graph": dict(moa_layers=(), backend="auto+graph"),
 }
 
 
@@ -70,7 +77,7 @@ def test_train_step(benchmark, size: Size, variant: str):
     device = bench_device()
     config = DTMoAConfig(
         state_sizes=(81, 81), context_len=size.context_len, n_layer=size.n_layer, n_head=size.n_head,
-        n_embd=size.n_embd, n_positions=max(3 * size.context_len, 60),
+        n_embd=size.n_embd, n_positions=max(3 * size.context_len, 60), dropout=0.0,
         **{**VARIANTS[variant], "backend": _kernels(VARIANTS[variant]["backend"], device)},
     )  # fmt: skip
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ Implementations:
   blend, SDPA, the gate as a softmax and a multiply), the best Inductor can fuse around SDPA (CPU smoke
   runs compile one case).
 
-Bytes and FLOPs: :mod:`icrl_kernels.attention.cost`, the fused model for ``triton`` and the separate-ops
+Bytes and FLOPs: :mod:`benchmarks.cost.attention`, the fused model for ``triton`` and the separate-ops
 model for the others (both count what that implementation moves, not a common minimum).
 
 Headline cases (``-m headline``): ``triton`` and ``separate`` at ``B = 16, L = 1024, H = 12, Dh = 64`` bf16
@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 
 from icrl_kernels import gated_attention, gated_attention_reference, mixture_of_heads, smeared_keys
-from icrl_kernels.attention.cost import fwd_bwd_cost, separate_ops_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import bench_device, select_shapes, skip_unless_runnable
+from .conftest import bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.attention import fwd_bwd_cost, separate_ops_fwd_bwd_cost
 
 
 class Shape(NamedTuple):
@@ -70,10 +70,10 @@ SMOKE_SHAPES = [Shape(B=1, H=3, L=37, Dh=16, dtype="float32"), Shape(B=1, H=2, L
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 VARIANTS = {"plain": (False, False), "gated": (True, False), "smeared": (False, True), "gated-smeared": (True, True)}
-BACKENDS = ("triton", "separate", "eager", "reference", "compile")
+BACKENDS = ("triton", "triton+graph", "separate", "eager", "reference", "compile")
 _HEADLINE_SHAPE = Shape(B=16, H=12, L=1024, Dh=64, dtype="bfloat16")
 HEADLINE = {(_HEADLINE_SHAPE, variant, backend) for variant in ("plain", "gated-smeared") for backend in
-            ("triton", "separate")} | {(SMOKE_SHAPES[0], "gated-smeared", "triton")}  # fmt: skip
+            ("triton", "triton+graph", "separate")} | {(SMOKE_SHAPES[0], "gated-smeared", "triton")}  # fmt: skip
 CASES = [
     pytest.param(shape, variant, backend, id=f"{shape_id(shape)}-{variant}-{backend}",
                  marks=[pytest.mark.headline] if (shape, variant, backend) in HEADLINE else [])
@@ -104,6 +104,7 @@ def _plain_torch(q, k, v, logits, alpha):
 @pytest.mark.parametrize("shape,variant,backend", CASES)
 def test_gated_attention_fwd_bwd(timed, benchmark, shape: Shape, variant: str, backend: str) -> None:
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0] and variant == "gated-smeared")
     if backend == "reference" and shape.L > 1024:
         pytest.skip("the dense reference's L x L scores need gigabytes at this length")
@@ -135,7 +136,7 @@ def test_gated_attention_fwd_bwd(timed, benchmark, shape: Shape, variant: str, b
 
     benchmark.group = f"gated-attention-fwd-bwd {shape_id(shape)}"
     # "features", not "variant": summarize.py reads "variant" as an old name of the backend key.
-    info = {"op": "gated_attention", "backend": backend, "features": variant, **shape._asdict()}
+    info = {"op": "gated_attention", "backend": backend_name, "features": variant, **shape._asdict()}
     model = fwd_bwd_cost if backend == "triton" else separate_ops_fwd_bwd_cost
     cost = model(shape.B, shape.H, shape.L, shape.Dh, dtype=dtype, gated=gated, smeared=smeared)
-    timed(step, device=device, info=info, cost=cost, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, graphed=graphed)

@@ -24,14 +24,25 @@ Baselines that materialise ``N x A`` logits are skipped where those logits alone
 :data:`LOGITS_LIMIT_BYTES` (e.g. ``A`` = 1M); the fused path still runs there. On CUDA every benchmark
 records its peak memory. Inputs: ``pred ~ N(0, 1)``, map rows ``N(0, 1/D)`` (unit norm on average;
 values do not change the work), uniform targets, tau = 0.7; bf16 on CUDA (training under autocast),
-fp32 on the CPU. Bytes and FLOPs come from :mod:`icrl_kernels.contrastive.cost` (a fused
+fp32 on the CPU. Bytes and FLOPs come from :mod:`benchmarks.cost.contrastive` (a fused
 implementation's minimum: the logits never reach memory, and the backward recomputes them once); for
 large ``A`` the FLOPs term of the roofline binds, for small ``A`` reading ``pred``.
 
 Headline cases (``-m headline``): every backend at ``N = 65536, D = 512, wrt = pred`` with ``A = 125``,
-``4096`` and ``1M`` (the targets: within 1.5x of the roofline; at least 3x eager and 1.5x
-``torch.compile`` from ``A = 4096``; at least Liger's speed at ``A = 1M``), ``select_actions`` at
-``N = 65536, D = 512, A = 4096``, and the smoke shapes on a smoke run.
+``4096`` and ``1M`` (the targets, docs/performance.md#targets: within 1.5x of the roofline; at ``A = 4096``
+at least 4.5x eager, 1.4x ``torch.compile`` and 2x Liger; at ``A = 1M`` 1.3x Liger; at ``A = 125`` 1.5x
+eager), ``select_actions`` at ``N = 65536, D = 512, A = 4096``, and the smoke shapes on a smoke run. Each
+InfoNCE case also records its memory: ``input_bytes`` and ``grad_bytes`` (what any implementation holds) beside
+the measured ``peak_memory_bytes`` (CUDA), and for ``fused`` the algorithm ``A`` chose and its predicted peak
+over the inputs (``algorithms.infonce_memory_bytes``; the target: peak at most inputs + gradients + 64 MiB).
+
+``test_infonce_crossover`` and ``test_select_crossover`` (stage ``infonce-crossover`` of
+``benchmarks/gpu_check.py``) time every algorithm of ``icrl_kernels/contrastive/algorithms.py`` forced, over
+``A`` = 125..10^6 (bf16, ``N = 65536``, ``D = 512``, gradient for ``pred``; tiny smoke shapes on the CPU):
+the data that sets the thresholds between the algorithms (placeholders until then), and, through the
+recorded autotuning, the new kernels' configs. The InfoNCE sweep also replays each call from a CUDA graph up
+to ``A = 16384`` (``<algorithm>+graph``), where host time can decide the choice, and times row chunks of 8, 16
+and 64 MiB besides the default 32 at ``A = 4096`` (``row-chunks@16MiB``: ``CHUNK_BYTES``' data).
 """
 
 from __future__ import annotations
@@ -46,10 +57,23 @@ import torch.nn.functional as F
 
 import icrl_kernels
 from icrl_kernels._backend import triton_interpreter_enabled
-from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
+from icrl_kernels.contrastive.algorithms import (
+    ACTION_CHUNKS,
+    CHUNK_ROW_MULTIPLE,
+    INFONCE_ALGORITHMS,
+    ROW_CHUNKS,
+    SELECT_ALGORITHMS,
+    SMALL,
+    SMALL_MAX_ACTIONS,
+    chunk_shape,
+    forced_algorithm,
+    infonce_algorithm,
+    infonce_memory_bytes,
+)
 from icrl_kernels.testing import relative_rms_error
 
-from .conftest import as_params, bench_device, full_run, select_shapes
+from .conftest import as_params, bench_device, full_run, select_shapes, split_graph
+from .cost.contrastive import infonce_fwd_bwd_cost, select_actions_cost
 
 TAU = 0.7
 
@@ -198,11 +222,12 @@ def _check_peer(value: torch.Tensor, pred, embeds, targets, backend: str) -> Non
     assert error < 2e-2, f"{backend} disagrees with infonce_loss: relative error {error:.2e}"
 
 
-@pytest.mark.parametrize("backend", ["fused", "reference", "compile", "liger"])
+@pytest.mark.parametrize("backend", ["fused", "fused+graph", "reference", "compile", "liger"])
 @pytest.mark.parametrize("shape,wrt", LOSS_CASES)
 def test_infonce_fwd_bwd(timed, benchmark, shape: Shape, wrt: str, backend: str) -> None:
     """Forward + backward of one implementation at one shape, on the benchmark device."""
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(shape, backend, device, materialises=backend in ("reference", "compile"))
     pred, embeds, targets = make_inputs(shape, device)
     pred.requires_grad_(True)
@@ -217,11 +242,126 @@ def test_infonce_fwd_bwd(timed, benchmark, shape: Shape, wrt: str, backend: str)
 
     cost = infonce_fwd_bwd_cost(shape.N, shape.D, shape.A, dtype=pred.dtype, grad_embeds=wrt == "both")
     benchmark.group = f"infonce-fwd-bwd {shape_id(shape)}-{wrt}"
-    info = {"op": "infonce_loss", "backend": backend, **shape._asdict(), "wrt": wrt, "tau": TAU}
-    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+    info = {"op": "infonce_loss", "backend": backend_name, **shape._asdict(), "wrt": wrt, "tau": TAU}
+    ours = backend == "fused" and (device.type == "cuda" or triton_interpreter_enabled())  # the Triton backend
+    info.update(memory_info(shape, pred.dtype, wrt, infonce_algorithm(shape.A, pred.dtype) if ours else None))
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)
 
 
-SELECT_BACKENDS = ["fused-sample", "fused-argmax", "reference", "argmax"]
+def memory_info(shape: Shape, dtype: torch.dtype, wrt: str, algorithm: str | None) -> dict:
+    """What a call must hold (its inputs and the gradients it returns) and, for one of our algorithms, its
+    predicted peak over the inputs: beside the measured ``peak_memory_bytes`` they give the workspace."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    grads = shape.N * shape.D * itemsize + (shape.A * shape.D * itemsize if wrt == "both" else 0)
+    info = {"input_bytes": (shape.N + shape.A) * shape.D * itemsize + 8 * shape.N, "grad_bytes": grads}
+    if algorithm is not None:
+        predicted = infonce_memory_bytes(algorithm, shape.N, shape.D, shape.A, itemsize=itemsize,
+                                         want_embeds=wrt == "both")  # fmt: skip
+        info.update(algorithm=algorithm, predicted_peak_over_inputs_bytes=predicted)
+    return info
+
+
+# -- crossover of the algorithms (their thresholds) --------------------------------------------------------
+
+#: Action counts of the sweep: Headless-AD's 125, the fused/row-chunks threshold's neighbourhood, the
+#: headline 4096, and the huge sets where action chunks compete with the fused kernels.
+CROSSOVER_ACTIONS = (125, 512, 1024, 4096, 16384, 65536, 262144, 1_000_000)
+CROSSOVER_SHAPES = (
+    [Shape(65536, 512, A) for A in CROSSOVER_ACTIONS] if full_run() else [Shape(64, 32, 5), Shape(40, 48, 150)]
+)
+#: Up to here the sweep also replays each call from a CUDA graph (host time matters at small ``A``).
+CROSSOVER_GRAPH_MAX_ACTIONS = 16384
+#: Row chunks of other sizes than ``CHUNK_BYTES`` (32 MiB of fp32 logits), at ``A = 4096`` (on the CPU, the
+#: smoke shapes' largest ``A``): whether a chunk stays in L2 (50 MB on an H100) decides its speed, and fewer,
+#: larger chunks launch fewer kernels. Backend ``row-chunks@<MiB>MiB``.
+CHUNK_SIZES_MIB = (8, 16, 64)
+
+
+def skip_unless_algorithm_runs(shape: Shape, algorithm: str, device: torch.device) -> None:
+    """``pytest.skip`` an algorithm that cannot or should not run at ``shape``: ``small`` above one action tile;
+    row chunks where a chunk would hold fewer than 64 rows (each chunk's GEMM re-reads the whole map: at
+    ``A = 10^6``, 8-row chunks would read it 8192 times); action chunks where one chunk holds every action (the
+    same work as row chunks); anything where Triton cannot run."""
+    if algorithm == SMALL and shape.A > SMALL_MAX_ACTIONS:
+        pytest.skip(f"the small algorithm holds at most {SMALL_MAX_ACTIONS} actions")
+    if algorithm == ROW_CHUNKS and full_run() and chunk_shape(shape.A, ROW_CHUNKS)[0] < CHUNK_ROW_MULTIPLE:
+        pytest.skip("row chunks of fewer than 64 rows: the action-chunked algorithm's regime")
+    if algorithm == ACTION_CHUNKS and full_run() and chunk_shape(shape.A, ACTION_CHUNKS)[1] >= shape.A:
+        pytest.skip("one action chunk: the row-chunked algorithm")
+    skip_unless_runnable(shape, "fused", device, materialises=False)
+    if device.type == "cpu" and not triton_interpreter_enabled():
+        pytest.skip("the algorithms run on the Triton backend: on the CPU only under TRITON_INTERPRET=1")
+
+
+def _crossover_backends(algorithms: tuple[str, ...]) -> list:
+    chunk_sweep_actions = 4096 if full_run() else CROSSOVER_SHAPES[-1].A
+    params = [
+        pytest.param(shape, backend, id=f"{shape_id(shape)}-{backend}")
+        for shape in CROSSOVER_SHAPES
+        for algorithm in algorithms
+        for backend in (algorithm, algorithm + "+graph")
+        if not backend.endswith("+graph") or shape.A <= CROSSOVER_GRAPH_MAX_ACTIONS
+    ]
+    params += [
+        pytest.param(shape, f"{ROW_CHUNKS}@{mib}MiB", id=f"{shape_id(shape)}-{ROW_CHUNKS}@{mib}MiB")
+        for shape in CROSSOVER_SHAPES
+        for mib in CHUNK_SIZES_MIB
+        if shape.A == chunk_sweep_actions
+    ]
+    return params
+
+
+def _forced(backend: str):
+    """``forced_algorithm`` of a crossover backend: ``<algorithm>``, ``<algorithm>+graph`` or
+    ``row-chunks@<MiB>MiB`` (row chunks of that many MiB of fp32 logits)."""
+    algorithm, _, size = split_graph(backend)[0].partition("@")
+    return forced_algorithm(algorithm, chunk_bytes=int(size.removesuffix("MiB")) << 20 if size else None)
+
+
+@pytest.mark.parametrize("shape,backend", _crossover_backends(INFONCE_ALGORITHMS))
+def test_infonce_crossover(timed, benchmark, shape: Shape, backend: str) -> None:
+    """Forward + backward (gradient for ``pred``) of one algorithm forced, at one ``A``."""
+    device = bench_device()
+    algorithm, graphed = split_graph(backend)
+    algorithm = algorithm.partition("@")[0]
+    skip_unless_algorithm_runs(shape, algorithm, device)
+    pred, embeds, targets = make_inputs(shape, device)
+    pred.requires_grad_(True)
+
+    def step() -> None:
+        torch.autograd.grad(fused_loss(pred, embeds, targets), (pred,))
+
+    benchmark.group = f"infonce-crossover {shape_id(shape)}"
+    info = {"op": "infonce_crossover", "backend": backend, **shape._asdict(), "tau": TAU}
+    cost = infonce_fwd_bwd_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
+    with _forced(backend):
+        info.update(memory_info(shape, pred.dtype, "pred", algorithm))  # with the forced chunk size
+        timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)
+
+
+@pytest.mark.parametrize("mode", ["argmax", "sample"])
+@pytest.mark.parametrize("shape,algorithm", [
+    pytest.param(shape, algorithm, id=f"{shape_id(shape)}-{algorithm}")
+    for shape in CROSSOVER_SHAPES for algorithm in SELECT_ALGORITHMS
+])  # fmt: skip
+def test_select_crossover(timed, benchmark, shape: Shape, algorithm: str, mode: str) -> None:
+    """One action per row by one selection algorithm forced, at one ``A``."""
+    device = bench_device()
+    skip_unless_algorithm_runs(shape, algorithm, device)
+    pred, embeds, _ = make_inputs(shape, device)
+
+    def step() -> None:
+        with torch.no_grad():
+            icrl_kernels.select_actions(pred, embeds, mode=mode, tau=TAU)
+
+    benchmark.group = f"select-crossover {shape_id(shape)}-{mode}"
+    info = {"op": "select_crossover", "backend": algorithm, **shape._asdict(), "mode": mode, "tau": TAU}
+    cost = select_actions_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
+    with forced_algorithm(algorithm):
+        timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+
+
+SELECT_BACKENDS = ["fused-sample", "fused-sample+graph", "fused-argmax", "reference", "argmax"]
 
 
 def select_fn(backend: str) -> Callable[..., torch.Tensor]:
@@ -239,6 +379,7 @@ def select_fn(backend: str) -> Callable[..., torch.Tensor]:
 def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
     """One action per row (no gradient), on the benchmark device."""
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(shape, backend, device, materialises=not backend.startswith("fused"))
     pred, embeds, _ = make_inputs(shape, device)
     fn = select_fn(backend)
@@ -253,6 +394,6 @@ def test_select_actions(timed, benchmark, shape: Shape, backend: str) -> None:
             fn(pred, embeds)
 
     benchmark.group = f"select-actions {shape_id(shape)}"
-    info = {"op": "select_actions", "backend": backend, **shape._asdict(), "tau": TAU}
+    info = {"op": "select_actions", "backend": backend_name, **shape._asdict(), "tau": TAU}
     cost = select_actions_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
-    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)

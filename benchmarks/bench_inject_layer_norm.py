@@ -12,7 +12,7 @@ implementation:
   ``reference`` because ``benchmarks/summarize.py`` takes ratios against that backend;
 * ``compile``: ``torch.compile`` of that baseline (Inductor fuses the adds into the norm).
 
-Bytes and FLOPs: :func:`icrl_kernels.looped.cost.inject_layer_norm_fwd_bwd_cost`, the minimum of a
+Bytes and FLOPs: :func:`benchmarks.cost.looped.inject_layer_norm_fwd_bwd_cost`, the minimum of a
 fused implementation: the forward reads ``y`` and ``prompt`` and writes ``hidden`` and ``normed``; the
 backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and writes ``d_y`` and ``d_prompt`` (two
 tensors, since both require grad): ``9 * B * L * D`` elements, plus ``pos`` and its gradient
@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference
-from icrl_kernels.looped.cost import inject_layer_norm_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable
+from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.looped import inject_layer_norm_fwd_bwd_cost
 
 
 class Shape(NamedTuple):
@@ -59,8 +59,14 @@ SMOKE_SHAPES = [Shape(B=3, L=9, D=37, dtype="float32"), Shape(B=5, L=6, D=64, dt
 
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
-HEADLINE_CASES = [(Shape(B=64, L=201, D=256, dtype="bfloat16"), "triton"), (SMOKE_SHAPES[0], "triton")]
-CASES = backend_params(SHAPES, ("triton", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id)
+HEADLINE_CASES = [
+    (shape, backend)
+    for shape in (Shape(B=64, L=201, D=256, dtype="bfloat16"), SMOKE_SHAPES[0])
+    for backend in ("triton", "triton+graph")
+]
+CASES = backend_params(
+    SHAPES, ("triton", "triton+graph", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id
+)
 
 
 def torch_inject_layer_norm(y, prompt, pos, weight, bias):
@@ -77,6 +83,7 @@ def _compiled_torch():
 @pytest.mark.parametrize("shape,backend", CASES)
 def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
@@ -103,6 +110,6 @@ def test_inject_layer_norm_fwd_bwd(timed, benchmark, shape: Shape, backend: str)
         return torch.autograd.grad(fn(*inputs), inputs, grads_out)
 
     benchmark.group = f"inject-layer-norm-fwd-bwd {shape_id(shape)}"
-    info = {"op": "inject_layer_norm", "backend": backend, **shape._asdict(), "shape": [shape.B, shape.L, shape.D]}
+    info = {"op": "inject_layer_norm", "backend": backend_name, **shape._asdict(), "shape": [shape.B, shape.L, shape.D]}
     cost = inject_layer_norm_fwd_bwd_cost(shape.B, shape.L, shape.D, dtype=dtype)
-    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2, graphed=graphed)

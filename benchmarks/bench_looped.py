@@ -15,8 +15,8 @@ tokens, ``B = 64``). Backends (``backend`` in ``extra_info``, as in every other 
 
 ``train`` times ``b`` loops of which the last ``T`` keep autograd, a mean-squared loss over the kept
 iterates and the backward (the paper's truncated loss); ``infer`` times ``b`` loops without autograd.
-Bytes and FLOPs: :func:`icrl_kernels.looped.cost.train_step_cost` and
-:func:`~icrl_kernels.looped.cost.inference_cost` (per loop the weights, the iterate and the prompt;
+Bytes and FLOPs: :func:`benchmarks.cost.looped.train_step_cost` and
+:func:`~benchmarks.cost.looped.inference_cost` (per loop the weights, the iterate and the prompt;
 the blocks' matmul FLOPs, which bind).
 
 The whole training step of the looped model (``test_looped_model_train_step``, op
@@ -46,11 +46,11 @@ import pytest
 import torch
 
 from icrl_kernels import LoopedBlock
-from icrl_kernels.looped.cost import inference_cost, train_step_cost
 from icrl_models.looped_step import make_graphed_train_step, make_optimizer, train_step
 from icrl_models.models.looped import LoopedConfig, LoopedTransformer
 
-from .conftest import as_params, bench_device, full_run, select_shapes
+from .conftest import as_params, bench_device, full_run, select_shapes, split_graph
+from .cost.looped import inference_cost, train_step_cost
 
 
 class Shape(NamedTuple):
@@ -84,6 +84,9 @@ HEADLINE_SHAPES = [
     SMOKE_INFER,
 ]
 BACKENDS = ["fused", "fused-graph", "eager", "compile"]
+#: The training step also as one CUDA graph of the whole step (loops with and without autograd, the loss and
+#: the backward): ``fused`` replayed (``benchmarks/conftest.py``'s ``timed(graphed=True)``; CUDA only).
+TRAIN_BACKENDS = [*BACKENDS, "fused+graph"]
 INFER_BACKENDS = [*BACKENDS, "fused-graph-c1"]
 
 
@@ -113,11 +116,12 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", TRAIN_BACKENDS)
 @pytest.mark.parametrize("shape", as_params(TRAIN_SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
 def test_looped_train_step(timed, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
     dtype = getattr(torch, shape.dtype)
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     block, _ = make_block(shape, backend, device)
     prompt = torch.randn(shape.B, shape.L, shape.D, device=device, requires_grad=True)
 
@@ -127,9 +131,9 @@ def test_looped_train_step(timed, benchmark, shape: Shape, backend: str) -> None
         iterates.float().square().mean().backward()
 
     benchmark.group = f"looped-train {shape_id(shape)}"
-    info = {"op": "looped_block_train", "backend": backend, **shape._asdict()}
+    info = {"op": "looped_block_train", "backend": backend_name, **shape._asdict()}
     cost = train_step_cost(shape.B, shape.L, shape.D, loops=shape.loops, grad_loops=shape.grad_loops, dtype=dtype)
-    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, warmup=2, graphed=graphed)
 
 
 @pytest.mark.parametrize("backend", INFER_BACKENDS)

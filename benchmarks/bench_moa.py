@@ -18,7 +18,7 @@ views of one QKV projection, as in ``MoAAttention``) and ``bhld`` (the ``transpo
 ``[B, H, L, Dh]``-contiguous output, e.g. SDPA on contiguous inputs): ``triton``, ``eager``,
 ``reference`` (autograd) and ``compile`` (``torch.compile`` of the reference).
 
-Bytes and FLOPs: :mod:`icrl_kernels.moa.cost` (the layer's boundary traffic and its projection and
+Bytes and FLOPs: :mod:`benchmarks.cost.moa` (the layer's boundary traffic and its projection and
 attention FLOPs, compute-bound; the op's ``5 N`` head-sized elements plus ``3 B L H`` logits,
 memory-bound).
 
@@ -36,10 +36,10 @@ import pytest
 import torch
 
 from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference
-from icrl_kernels.moa.cost import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable
+from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.moa import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
 
 
 class Shape(NamedTuple):
@@ -69,8 +69,12 @@ SMOKE_SHAPES = [Shape(B=2, L=37, H=12, Dh=16, dtype="float32"), Shape(B=1, L=20,
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
 HEADLINE_SHAPES = [Shape(B=B, L=1024, H=12, Dh=64, dtype="bfloat16") for B in (16, 64)] + SMOKE_SHAPES[:1]
-HEADLINE_OP_CASES = [(HEADLINE_SHAPES[0], "blhd", "triton"), (SMOKE_SHAPES[0], "blhd", "triton")]
-OP_BACKENDS = ["triton", "eager", "reference", "compile"]
+HEADLINE_OP_CASES = [
+    (shape, "blhd", backend)
+    for shape in (HEADLINE_SHAPES[0], SMOKE_SHAPES[0])
+    for backend in ("triton", "triton+graph")
+]
+OP_BACKENDS = ["triton", "triton+graph", "eager", "reference", "compile"]
 OP_CASES = [
     pytest.param(
         shape,
@@ -85,10 +89,11 @@ OP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["triton", "eager", "reference", "ungated"])
+@pytest.mark.parametrize("backend", ["triton", "triton+graph", "eager", "reference", "ungated"])
 @pytest.mark.parametrize("shape", as_params(SHAPES, headline=HEADLINE_SHAPES, ids=shape_id))
 def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     dtype = getattr(torch, shape.dtype)
     d_model = shape.H * shape.Dh
@@ -100,9 +105,9 @@ def test_moa_attention_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -
     layer = layer.to(device=device, dtype=dtype)
     x = torch.randn(shape.B, shape.L, d_model, device=device, dtype=dtype, requires_grad=True)
     benchmark.group = f"moa-attention-fwd-bwd {shape_id(shape)}"
-    info = {"op": "moa_attention", "backend": backend, **shape._asdict()}
+    info = {"op": "moa_attention", "backend": backend_name, **shape._asdict()}
     cost = attention_fwd_bwd_cost(shape.B, shape.L, shape.H, shape.Dh, dtype=dtype, gated=backend != "ungated")
-    fwd_bwd(layer, x, info=info, cost=cost, wrt=tuple(layer.parameters()))
+    fwd_bwd(layer, x, info=info, cost=cost, wrt=tuple(layer.parameters()), graphed=graphed)
 
 
 @functools.cache
@@ -113,6 +118,7 @@ def _compiled_reference():
 @pytest.mark.parametrize("shape,layout,backend", OP_CASES)
 def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, backend: str) -> None:
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     if backend == "compile" and device.type == "cpu" and layout != "bhld":
         pytest.skip("an Inductor CPU compile takes seconds: one smoke layout is enough")
@@ -140,6 +146,6 @@ def test_mixture_of_heads_fwd_bwd(timed, benchmark, shape: Shape, layout: str, b
         return torch.autograd.grad(fn(sdpa_out.transpose(1, 2), logits), (sdpa_out, logits), grad_out)
 
     benchmark.group = f"moa-op-fwd-bwd {shape_id(shape)}-{layout}"
-    info = {"op": "mixture_of_heads", "backend": backend, "layout": layout, **shape._asdict()}
+    info = {"op": "mixture_of_heads", "backend": backend_name, "layout": layout, **shape._asdict()}
     cost = mixture_of_heads_fwd_bwd_cost(shape.B, shape.L, shape.H, shape.Dh, dtype=dtype)
-    timed(step, device=device, info=info, cost=cost, dtype=dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=dtype, graphed=graphed)

@@ -20,7 +20,7 @@ The ``eager`` and ``triton-sort`` timings include building the plan (one sort of
 because ``ngram_attention(h, ids, n)`` does that on every call, so ``flex+mask`` is the like-for-like
 peer and ``flex`` the one with its setup amortised; the ``reference`` timings include building the
 dense pattern. Inputs are fp32 ``h ~ N(0, 1)`` and ids drawn uniformly from ``[0, vocab)``. Bytes and
-FLOPs: :func:`icrl_kernels.ngram.cost.fwd_bwd_cost`.
+FLOPs: :func:`benchmarks.cost.ngram.fwd_bwd_cost`.
 
 Headline cases (``-m headline``): every backend at ``B=16, L=4096, D=512, n=2`` with vocabularies 81
 and 10^4 (the targets: at least 10x the dense reference, faster than FlexAttention at vocab 10^4), and
@@ -49,11 +49,11 @@ import torch
 import torch.nn.functional as F
 
 import icrl_kernels
-from icrl_kernels.ngram.cost import fwd_bwd_cost
 from icrl_kernels.ngram.plan import ngram_keys
 from icrl_kernels.testing import assert_close_rel, relative_rms_error
 
-from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable
+from .conftest import as_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.ngram import fwd_bwd_cost
 
 #: FlexAttention head width: ``h [B, L, D]`` is viewed as ``D / 64`` heads of 64 features.
 HEAD_DIM = 64
@@ -106,7 +106,10 @@ SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 # FlexAttention target at 10^4 (sparse matches: most of flex's mask blocks are empty, its best case).
 HEADLINE_SHAPES = [Shape(B=16, L=4096, D=512, vocab=81, n=2), Shape(B=16, L=4096, D=512, vocab=10_000, n=2),
                    *SMOKE_SHAPES[:2]]  # fmt: skip
-BACKENDS = ["eager", "triton-sort", "triton-tiled", "reference", "reference-tf32", "flex", "flex+mask"]
+BACKENDS = [
+    "eager", "triton-sort", "triton-sort+graph", "triton-tiled", "triton-tiled+graph", "reference", "reference-tf32",
+    "flex", "flex+mask",
+]  # fmt: skip
 
 # The CPU crossover sweep runs its full L range only when asked for explicitly, so that a CUDA run
 # (full shapes by default) does not spend minutes on the CPU.
@@ -235,6 +238,7 @@ def float32_matmul_precision(precision: str):
 def _run(
     fwd_bwd, benchmark, shape: Shape, backend: str, device: torch.device, group: str, dtype: torch.dtype | None = None
 ) -> None:
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_ngram_runnable(shape, backend, device)
     h, ids = make_inputs(shape, device)
     if dtype is not None:
@@ -248,13 +252,13 @@ def _run(
         error = relative_rms_error(fn(h), icrl_kernels.ngram_attention(h, ids, shape.n, backend="eager"))
         assert error < 1e-2, f"FlexAttention peer disagrees with the op: relative RMS error {error:.2e}"
     benchmark.group = f"{group} {shape_id(shape)}"
-    info = {"op": "ngram_attention", "backend": backend, **shape._asdict()}
+    info = {"op": "ngram_attention", "backend": backend_name, **shape._asdict()}
     if dtype is not None:
         info["dtype"] = str(dtype).removeprefix("torch.")
     cost = fwd_bwd_cost(shape.B, shape.L, shape.D, dtype=h.dtype, ids_itemsize=ids.element_size())
     # The TF32 setting is global and read when the backward's matmuls launch too, so it spans the call.
     with float32_matmul_precision("high" if backend.endswith("-tf32") else "highest"):
-        fwd_bwd(fn, h, info=info, cost=cost)
+        fwd_bwd(fn, h, info=info, cost=cost, graphed=graphed)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -12,7 +12,7 @@ for one shape and one implementation:
 Every backend differentiates w.r.t. both ``k`` and ``alpha`` (as training does): the Triton and eager
 custom ops compute the ``alpha`` gradient in the same backward anyway, and asking autograd for it
 keeps the reference and ``compile`` from skipping that branch, so all four do the same work. Bytes
-and FLOPs: :func:`icrl_kernels.smeared.cost.fwd_bwd_cost` (read ``k``, write ``k'``; read ``grad_out``
+and FLOPs: :func:`benchmarks.cost.smeared.fwd_bwd_cost` (read ``k``, write ``k'``; read ``grad_out``
 and ``k``, write ``grad_k`` and ``grad_alpha``). Inputs are ``k ~ N(0, 1)`` and ``alpha ~ N(0, 1)``.
 
 Headline case (``-m headline``): ``triton`` at ``B = 64, H = 12, L = 1024, Dh = 64`` bf16 (the roofline
@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
-from icrl_kernels.smeared.cost import fwd_bwd_cost
 from icrl_kernels.testing import assert_close_rel
 
-from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable
+from .conftest import backend_params, bench_device, select_shapes, skip_unless_runnable, split_graph
+from .cost.smeared import fwd_bwd_cost
 
 
 class Shape(NamedTuple):
@@ -60,8 +60,14 @@ SMOKE_SHAPES = [Shape(B=2, H=3, L=70, Dh=24, dtype="float32"), Shape(B=1, H=2, L
 
 SHAPES = select_shapes(FULL_SHAPES, SMOKE_SHAPES)
 
-HEADLINE_CASES = [(Shape(B=64, H=12, L=1024, Dh=64, dtype="bfloat16"), "triton"), (SMOKE_SHAPES[0], "triton")]
-CASES = backend_params(SHAPES, ("triton", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id)
+HEADLINE_CASES = [
+    (shape, backend)
+    for shape in (Shape(B=64, H=12, L=1024, Dh=64, dtype="bfloat16"), SMOKE_SHAPES[0])
+    for backend in ("triton", "triton+graph")
+]
+CASES = backend_params(
+    SHAPES, ("triton", "triton+graph", "eager", "reference", "compile"), headline=HEADLINE_CASES, ids=shape_id
+)
 
 
 @functools.cache
@@ -72,6 +78,7 @@ def _compiled_reference():
 @pytest.mark.parametrize("shape,backend", CASES)
 def test_smeared_keys_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) -> None:
     device = bench_device()
+    backend_name, (backend, graphed) = backend, split_graph(backend)
     skip_unless_runnable(backend, device, compile_here=shape == SMOKE_SHAPES[0])
     generator = torch.Generator().manual_seed(0)
     dtype = getattr(torch, shape.dtype)
@@ -86,6 +93,6 @@ def test_smeared_keys_fwd_bwd(fwd_bwd, benchmark, shape: Shape, backend: str) ->
     else:
         fn = lambda keys: smeared_keys(keys, alpha, backend=backend)
     benchmark.group = f"smeared-keys-fwd-bwd {shape_id(shape)}"
-    info = {"op": "smeared_keys", "backend": backend, **shape._asdict()}
+    info = {"op": "smeared_keys", "backend": backend_name, **shape._asdict()}
     cost = fwd_bwd_cost(shape.B, shape.H, shape.L, shape.Dh, dtype=dtype, alpha_itemsize=alpha.element_size())
-    fwd_bwd(fn, k, info=info, cost=cost, wrt=(alpha,))
+    fwd_bwd(fn, k, info=info, cost=cost, wrt=(alpha,), graphed=graphed)

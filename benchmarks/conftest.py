@@ -9,7 +9,7 @@ per program per tile). In both sets one case per performance target carries the 
 
 Timing: the :func:`timed` fixture (and :func:`fwd_bwd` on top of it, for ``forward + backward``)
 records, in ``benchmark.extra_info``, the shape, the device and library versions, the op's minimal
-bytes and FLOPs from its cost model (``icrl_kernels/<op>/cost.py``), and on CUDA the peak memory,
+bytes and FLOPs from its cost model (``benchmarks/cost/<op>.py``), and on CUDA the peak memory,
 the device's measured copy bandwidth and matmul peaks, and the roofline bound
 ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` with the term that binds, so that
 ``benchmarks/summarize.py`` can print ratios, targets and roofline fractions from the JSON alone.
@@ -38,7 +38,9 @@ from typing import Any
 import pytest
 import torch
 
-from icrl_kernels._cost import OpCost, roofline
+from icrl_kernels._backend import triton_available
+
+from .cost import OpCost, roofline
 
 #: Wall time each timed benchmark aims for (seconds); rounds are chosen to fill it.
 TARGET_SECONDS = float(os.environ.get("ICRL_BENCH_SECONDS", "1.0"))
@@ -104,6 +106,31 @@ def skip_unless_runnable(backend: str, device: torch.device, *, compile_here: bo
             pytest.skip("full-size shapes are far too slow for the Triton interpreter")
     if backend == "compile" and device.type == "cpu" and not full_run() and not compile_here:
         pytest.skip("an Inductor CPU compile takes seconds: one smoke shape is enough")
+
+
+#: The backend-name suffix of a case that replays our call from a CUDA graph (``timed(..., graphed=True)``).
+GRAPH_SUFFIX = "+graph"
+
+
+def split_graph(backend: str) -> tuple[str, bool]:
+    """``"triton+graph"`` -> ``("triton", True)``; ``"triton"`` -> ``("triton", False)``."""
+    return backend.removesuffix(GRAPH_SUFFIX), backend.endswith(GRAPH_SUFFIX)
+
+
+def graph_replay(step: Callable[[], Any], device: torch.device, warmup: int = 2) -> Callable[[], None]:
+    """``step`` captured in one CUDA graph, as a function that replays it: the device work of a call without
+    its host time (Python, argument checks, autograd bookkeeping, launches). ``warmup`` calls run first on a
+    side stream (compiles, autotuning, the allocator), as PyTorch's capture recipe does."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def bench_device() -> torch.device:
@@ -219,7 +246,7 @@ def peak_for(peaks: dict[str, float], dtype: torch.dtype | str) -> float:
 
 
 def roofline_info(cost: OpCost, dtype: torch.dtype | str, copy_bytes_per_second: float, peaks: dict[str, float]):
-    """``extra_info`` entries of the roofline bound of ``cost`` (see :func:`icrl_kernels._cost.roofline`)."""
+    """``extra_info`` entries of the roofline bound of ``cost`` (see :func:`benchmarks.cost.roofline`)."""
     flops_per_second = peak_for(peaks, dtype)
     seconds, bound = roofline(cost, copy_bytes_per_second, flops_per_second)
     return {
@@ -284,11 +311,14 @@ def device_profile(call: Callable[[], None], calls: int = PROFILE_CALLS) -> dict
 def timed(benchmark, copy_bandwidth, matmul_peak):
     """Time ``step()`` (which must leave no pending work but CUDA kernels): the core of every benchmark.
 
-    Returns ``run(step, *, device, info, cost, dtype, warmup=1)``. ``cost`` is the op's
-    :class:`~icrl_kernels._cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
+    Returns ``run(step, *, device, info, cost, dtype, warmup=1, graphed=False)``. ``cost`` is the op's
+    :class:`~benchmarks.cost.OpCost` (minimal bytes and FLOPs of a fused implementation, from its
     ``cost.py``) and ``dtype`` the dtype its math runs in (which matmul peak bounds it). ``warmup``
     untimed calls first (compilation, Triton autotuning, allocator growth), then one more to size the
-    rounds to about ``ICRL_BENCH_SECONDS``.
+    rounds to about ``ICRL_BENCH_SECONDS``. ``graphed``: after the warm-up, ``step`` is captured in a CUDA graph
+    (:func:`graph_replay`) and each timed call replays it (CUDA only: skipped elsewhere); the backend of such a
+    case ends in ``+graph`` (:data:`GRAPH_SUFFIX`), and ``summarize.py`` judges rooflines on it and reports the
+    eager call minus the replay as host overhead.
 
     ``extra_info`` gets ``info``, the device and versions, ``bytes_moved`` and ``flops`` and, when timed,
     the achieved bytes/s and FLOP/s; on CUDA also the peak memory over the timed calls (inputs
@@ -296,7 +326,7 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
     (``roofline_seconds``), which term binds (``roofline_bound``: ``"bytes"`` or ``"flops"``) and
     ``roofline_fraction = roofline_seconds / median`` (1 is the hardware limit), and ``autotune``: every
     config the warm-up calls timed, per newly tuned kernel and key
-    (:func:`icrl_kernels._triton.recorded_autotuning`).
+    (:func:`benchmarks.kernel_tools.recorded_autotuning`).
     """
 
     def run(
@@ -307,7 +337,11 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
         cost: OpCost,
         dtype: torch.dtype | str,
         warmup: int = 1,
+        graphed: bool = False,
     ) -> None:
+        if graphed and device.type != "cuda":
+            pytest.skip("CUDA graphs need a CUDA device")
+
         def call() -> None:
             step()
             _sync(device)
@@ -325,6 +359,13 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
                 call()
         if tuned:
             benchmark.extra_info["autotune"] = tuned
+        if graphed:
+            replay = graph_replay(step, device)
+
+            def call() -> None:
+                replay()
+                _sync(device)
+
         rounds = _choose_rounds(call, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -345,14 +386,12 @@ def timed(benchmark, copy_bandwidth, matmul_peak):
 
 
 def _recorded_autotuning(device: torch.device):
-    """On CUDA, :func:`icrl_kernels._triton.recorded_autotuning` (the timing of every config the warm-up
+    """On CUDA, :func:`benchmarks.kernel_tools.recorded_autotuning` (the timing of every config the warm-up
     calls tune); elsewhere, or without Triton, an empty list."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not triton_available():
         return contextlib.nullcontext([])
-    try:
-        from icrl_kernels._triton import recorded_autotuning
-    except ImportError:
-        return contextlib.nullcontext([])
+    from .kernel_tools import recorded_autotuning
+
     return recorded_autotuning()
 
 
@@ -360,10 +399,10 @@ def _recorded_autotuning(device: torch.device):
 def fwd_bwd(timed):
     """Time ``forward + backward`` of ``fn(h)`` with a fixed upstream gradient.
 
-    Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1)`` where ``fn`` maps the leaf ``h``
+    Returns ``run(fn, h, *, info, cost, wrt=(), warmup=1, graphed=False)`` where ``fn`` maps the leaf ``h``
     (``requires_grad``) to an output of the same shape, ``info`` holds the shape parameters to record
     (``B``, ``L``, ``D`` and anything op-specific such as ``backend``), ``cost`` is the op's
-    :class:`~icrl_kernels._cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
+    :class:`~benchmarks.cost.OpCost` for this shape and ``wrt`` more leaves to differentiate (e.g. a
     layer's parameters, as training does).
 
     One timed call is ``out = fn(h); torch.autograd.grad(out, (h, *wrt), grad_out)`` (see :func:`timed`;
@@ -378,11 +417,12 @@ def fwd_bwd(timed):
         cost: OpCost,
         wrt: Sequence[torch.Tensor] = (),
         warmup: int = 1,
+        graphed: bool = False,
     ) -> None:
         grad_out = torch.randn_like(h)
         leaves = (h, *wrt)
         info = {**info, "shape": list(h.shape), "dtype": str(h.dtype).removeprefix("torch.")}
         timed(lambda: torch.autograd.grad(fn(h), leaves, grad_out), device=h.device, info=info, cost=cost,
-              dtype=h.dtype, warmup=warmup)  # fmt: skip
+              dtype=h.dtype, warmup=warmup, graphed=graphed)  # fmt: skip
 
     return run

@@ -31,10 +31,15 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
-import icrl_kernels as ik
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import icrl_kernels as ik  # noqa: E402
+from benchmarks.kernel_tools import autotuned_kernels  # noqa: E402
 
 
 def _cases():
@@ -71,6 +76,20 @@ def _cases():
                 y, prompt, None, torch.ones(32), torch.zeros(32), backend=backend
             )[1],
         ),
+        "gated_attention": (
+            lambda: tuple(torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)),
+            lambda backend, q, k, v: ik.gated_attention(q, k, v, None, backend=backend),
+        ),
+        "gated_attention (gated, smeared)": (
+            lambda: (
+                *(torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3)),
+                torch.randn(2, 16, 4, requires_grad=True),
+                torch.zeros(4, requires_grad=True),
+            ),
+            lambda backend, q, k, v, logits, alpha: ik.gated_attention(
+                q, k, v, logits, smear_alpha=alpha, backend=backend
+            ),
+        ),
         "smeared_keys": (
             lambda: (torch.randn(2, 4, 16, 8, requires_grad=True), torch.zeros(4, requires_grad=True)),
             lambda backend, k, alpha: ik.smeared_keys(k, alpha, backend=backend),
@@ -97,7 +116,7 @@ def stubbed_kernel_launches() -> Iterator[Counter]:
     ``launch`` is replaced, and restored afterwards."""
     from icrl_kernels import _triton
 
-    _triton.autotuned_kernels()  # imports every ``*kernels`` module
+    autotuned_kernels()  # imports every ``*kernels`` module
     launches: Counter = Counter()
 
     def counting_launch(kernel, grid):

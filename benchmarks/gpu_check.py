@@ -7,6 +7,8 @@ time limit loses only itself) and stops itself after ``--timeout`` seconds (defa
 command with room to copy the files back)::
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages env,parity   # first command
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages memcheck:540  # compute-sanitizer, its own command
+    PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages memcheck --sanitizer-parts racecheck
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline     # ~4-5 min on an H200
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages headline --headline-k "bench_looped or select"
     PYTHONPATH=. python3 benchmarks/gpu_check.py OUT --stages configs
@@ -21,8 +23,11 @@ Stages (in order; ``--stages all`` runs them all):
 ``env``    nvidia-smi, Python / torch / triton / CUDA versions, SMs and L2, and the two ceilings measured
            on the device: device-to-device copy bandwidth (bytes read + written) and the bf16 matmul peak
 ``parity`` the CUDA tests (``pytest -m gpu tests``, one pytest-xdist worker per core up to 16 where
-           installed; 232 s for 350 tests on an H200's 16 cores), then compute-sanitizer memcheck on a
-           few edge-case tests of every kernel (34 tests in one process, ~45 s). Give it ~5 minutes
+           installed; 232 s for 350 tests on an H200's 16 cores). Give it ~5 minutes
+``memcheck`` compute-sanitizer over the edge-case tests of every kernel (``SANITIZER_PARTS``): memcheck in
+           three parts (n-gram; contrastive; MoA, inject + LayerNorm, smeared keys, gated attention), then
+           racecheck on one case of every kernel with a shared-memory reduction; each part one process,
+           ``memcheck.json``/``.md`` rewritten as each ends; ``--sanitizer-parts`` runs some parts
 ``configs`` every autotune config of every kernel forced once against the reference
            (``tests/test_autotune_configs.py``); ``configs.md`` lists the gated-attention errors of every
            config, passing ones included, to show each one's margin to the tolerance
@@ -30,6 +35,8 @@ Stages (in order; ``--stages all`` runs them all):
 ``profile`` our headline cases again, each followed by 5 calls under ``torch.profiler``: device-busy time
            per call against the median (kernel- or host-bound), launches per call, the longest kernels
 ``ngram-crossover`` the tiled against the sort n-gram kernels over ``L`` (``TILED_MAX_LENGTH``'s data)
+``infonce-crossover`` every InfoNCE and selection algorithm forced over ``A`` = 125..10^6 (the thresholds of
+           ``icrl_kernels/contrastive/algorithms.py``, and the new kernels' autotuning)
 ``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
            ``--backend reference``: steps per second, and whether the loss falls
 ``paper-goals`` issue 19's GPU run: ``icrl-compare --preset goals-paper`` with one Table 1 draw per setting
@@ -82,22 +89,71 @@ DEFAULT_TIMEOUT = 480
 #: Seconds between SIGINT (pytest then still writes its JSON and junit files) and SIGKILL at the time limit.
 GRACE_SECONDS = 30
 
-#: compute-sanitizer selection: a few edge-case tests of every kernel (``{device}`` is ``cuda``, or
-#: ``cpu`` in a dry run). Under memcheck every launch runs ~10-100x slower, so it stays small.
-SANITIZER_SELECTION = [
-    ("tests/test_ngram_attention.py", "edge_cases and {device}"),
-    ("tests/test_contrastive_kernels.py", "(single_available_action or masked_actions_get_exactly) and {device}"),
-    ("tests/test_moa_kernels.py", "(shapes_reach_the_kernel_edges or single_head) and {device}"),
-    ("tests/test_inject_layer_norm.py", "optional_inputs and {device}"),
-    ("tests/test_smeared_keys.py", "strided and {device}"),
-]
+
+@dataclass(frozen=True)
+class SanitizerPart:
+    """One pytest process of the ``memcheck`` stage under compute-sanitizer's ``tool``: ``selection`` is
+    ``(test file, -k expression)`` pairs (``{device}`` becomes ``cuda``, or ``cpu`` in a dry run)."""
+
+    name: str
+    tool: str
+    selection: tuple[tuple[str, str], ...]
+    kernels: str
 
 
-def sanitizer_selection(device: str) -> list[str]:
-    """pytest arguments selecting :data:`SANITIZER_SELECTION` in one run: the files, then one ``-k``
-    expression that ORs the files' expressions (a test matching another file's words is taken too)."""
-    files = list(dict.fromkeys(path for path, _ in SANITIZER_SELECTION))
-    words = " or ".join(f"({expression.format(device=device)})" for _, expression in SANITIZER_SELECTION)
+#: The ``memcheck`` stage, part by part (each one process, its results written as it ends, so a stage stopped
+#: at its limit keeps the parts that ran; ``--sanitizer-parts`` runs some of them). memcheck (out-of-bounds and
+#: misaligned accesses, uninitialised reads of device memory) over the edge-case tests of every kernel: lengths
+#: 1, 2 and just past a block, n > L, all padding, ragged tiles, one head or one available action, strided and
+#: optional inputs. racecheck (shared-memory hazards) over one small case of every kernel with a reduction: no
+#: kernel uses atomics (docs/conventions.md), but Triton's cross-warp reductions (sums, maxima, scans) go
+#: through shared memory. Under the sanitizer each launch runs ~10-100x slower, so the selections stay small.
+SANITIZER_PARTS = (
+    SanitizerPart(
+        "memcheck-ngram", "memcheck",
+        (("tests/test_ngram_attention.py", "(edge_cases or row_without_match) and {device}"),
+         ("tests/test_ngram_plan_kernels.py", "(rows_of_several_tiles or long_n) and {device}")),
+        "n-gram forward/backward (sort and tiled) and plan kernels",
+    ),
+    SanitizerPart(
+        "memcheck-contrastive", "memcheck",
+        (("tests/test_contrastive_kernels.py",
+          "(single_available_action or masked_actions_get_exactly or masked_actions_are_never_chosen "
+          "or select_overflowing) and {device}"),
+         ("tests/test_contrastive_algorithms.py",
+          "(single_available_action or masked_actions_get_exactly or select_overflow) and {device}")),
+        "InfoNCE forward, grad_pred, grad_embeds (fused, small, row and action chunks); select_actions",
+    ),
+    SanitizerPart(
+        "memcheck-attention", "memcheck",
+        (("tests/test_moa_kernels.py", "(strided_everything or single_head) and {device}"),
+         ("tests/test_looped_kernels.py", "(optional_inputs or strided_inputs) and {device}"),
+         ("tests/test_smeared_kernels.py", "strided and {device}"),
+         ("tests/test_attention_kernels.py", "triton_lengths or triton_head_dim_not_a_power_of_two")),
+        "mixture of heads, inject + LayerNorm, smeared keys, gated attention (forward, preprocess, dk/dv, dq)",
+    ),
+    SanitizerPart(
+        "racecheck", "racecheck",
+        (("tests/test_ngram_attention.py", "row_without_match and {device}"),
+         ("tests/test_ngram_plan_kernels.py", "rows_of_several_tiles and vocab81 and {device}"),
+         ("tests/test_contrastive_kernels.py",
+          "((single_available_action and shared) or (masked_actions_are_never_chosen and argmax)) and {device}"),
+         ("tests/test_contrastive_algorithms.py",
+          "((single_available_action and shared) or (select_overflow and argmax)) and {device}"),
+         ("tests/test_moa_kernels.py", "single_head and {device}"),
+         ("tests/test_looped_kernels.py", "optional_inputs and y0 and {device}"),
+         ("tests/test_smeared_kernels.py", "strided and {device}"),
+         ("tests/test_attention_kernels.py", "triton_lengths and 65")),
+        "one case of every kernel with a reduction",
+    ),
+)  # fmt: skip
+
+
+def sanitizer_selection(part: SanitizerPart, device: str) -> list[str]:
+    """pytest arguments selecting ``part`` in one run: its files, then one ``-k`` expression that ORs the
+    files' expressions (a test matching another file's words is taken too)."""
+    files = list(dict.fromkeys(path for path, _ in part.selection))
+    words = " or ".join(f"({expression.format(device=device)})" for _, expression in part.selection)
     return [*files, "-k", words]
 
 
@@ -109,7 +165,7 @@ FULL_SLICES = [
     ("full-looped", ["benchmarks/bench_looped.py", "benchmarks/bench_inject_layer_norm.py"], None),
     ("full-smeared", ["benchmarks/bench_smeared_keys.py"], None),
     ("full-attention", ["benchmarks/bench_gated_attention.py"], None),
-    ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py"], None),
+    ("full-models", ["benchmarks/bench_ad.py", "benchmarks/bench_generation.py", "benchmarks/bench_sweep.py"], None),
 ]
 
 
@@ -129,6 +185,8 @@ class Context:
     cuda_graph: bool = False
     #: ``--parity-k``: a pytest ``-k`` expression narrowing the ``parity`` stage's CUDA suite (None: all of it).
     parity_k: str | None = None
+    #: ``--sanitizer-parts``: the parts of :data:`SANITIZER_PARTS` the ``memcheck`` stage runs (None: all).
+    sanitizer_parts: tuple[str, ...] | None = None
 
     @property
     def device(self) -> str:
@@ -282,8 +340,13 @@ def _find_sanitizer() -> str | None:
 # --- pytest stages -----------------------------------------------------------------------------------
 
 
+#: pyproject's addopts leave out the tests marked slow; the GPU runner runs every tier (a stage's own ``-m``,
+#: later on the command line, replaces this one).
+EVERY_TIER = ["-m", "slow or not slow"]
+
+
 def _pytest(ctx: Context, args: list[str], log_name: str, junit: Path | None = None, **kwargs) -> int:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *EVERY_TIER, *args]
     if junit is not None:
         command.append(f"--junitxml={junit}")
     return ctx.run(command, log_name, **kwargs)
@@ -350,32 +413,84 @@ def stage_parity(ctx: Context) -> tuple[str, dict]:
             narrow = ["-k", ctx.parity_k] if ctx.parity_k else []
             code = _pytest(ctx, [*xdist, "-m", "gpu", *narrow, "tests"], "parity.log", junit)
             results["suite"] = {"exit": code, **_junit_counts(junit), "k": ctx.parity_k}
-
-        # One pytest process for the whole selection: under the sanitizer, CUDA and torch start-up alone take
-        # tens of seconds, so one process per file would spend most of the stage starting.
-        sanitizer = None if ctx.dry_run else (shutil.which("compute-sanitizer") or _find_sanitizer())
-        selection = sanitizer_selection(ctx.device)
-        junit = Path(tmp) / "memcheck.xml"
-        if sanitizer:
-            prefix = [sanitizer, "--tool", "memcheck", "--error-exitcode", "99", "--target-processes", "all"]
-            command = [*prefix, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                       f"--junitxml={junit}", *selection]  # fmt: skip
-            code = ctx.run(command, "parity.log")
-        else:
-            code = _pytest(ctx, selection, "parity.log", junit)
-        sanitized = [{"file": "edge cases", "selection": " ".join(selection), "exit": code, **_junit_counts(junit)}]
-        results["memcheck"] = {"sanitizer": sanitizer or "not run (no compute-sanitizer, or dry run)",
-                               "runs": sanitized, "selection": selection}  # fmt: skip
     ctx.write("parity.json", results)
     lines = ["# Parity", "", "| run | exit | tests | failed | errors | skipped |", "|---|---|---|---|---|---|"]
     lines.append(_count_row("suite", results["suite"]))
-    lines += [_count_row("memcheck (edge cases)", run) for run in sanitized]
-    failed = results["suite"]["failed"] + [name for run in sanitized for name in run["failed"]]
-    lines += ["", f"memcheck: {results['memcheck']['sanitizer']}", ""] + [f"- FAILED {name}" for name in failed]
+    failed = results["suite"]["failed"]
+    lines += ["", "(compute-sanitizer runs in its own stage, memcheck)", ""] + [f"- FAILED {name}" for name in failed]
     ctx.write("parity.md", "\n".join(lines) + "\n")
-    codes = [results["suite"]["exit"]] + [run["exit"] for run in sanitized]
-    status = "timed out" if 124 in codes else "passed" if all(code == 0 for code in codes) else "failed"
-    return status, {"failed": len(failed), "tests": results["suite"]["tests"]}
+    return _status(results["suite"]["exit"]), {"failed": len(failed), "tests": results["suite"]["tests"]}
+
+
+#: compute-sanitizer's closing lines: memcheck's ``ERROR SUMMARY: N errors``, racecheck's ``RACECHECK SUMMARY:
+#: N hazards displayed (E errors, W warnings)``.
+_SANITIZER_SUMMARY = re.compile(
+    r"(?:ERROR SUMMARY: (\d+) errors?|RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?)"
+)
+
+
+def sanitizer_errors(log_text: str) -> int | None:
+    """The errors compute-sanitizer reported in ``log_text`` (summed over its summary lines; None if none)."""
+    counts = [int(memcheck or racecheck) for memcheck, racecheck in _SANITIZER_SUMMARY.findall(log_text)]
+    return sum(counts) if counts else None
+
+
+def stage_memcheck(ctx: Context) -> tuple[str, dict]:
+    """compute-sanitizer over the edge-case tests of every kernel, part by part (:data:`SANITIZER_PARTS`):
+    memcheck, then racecheck for the kernels whose reductions use shared memory. Each part is one pytest
+    process under the sanitizer (CUDA and torch start-up alone take tens of seconds there), run with
+    ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that an access past a tensor is past its allocation too (inside
+    the caching allocator's blocks memcheck sees nothing); ``memcheck.json``/``.md`` are rewritten as each
+    part ends. A dry run runs the same selections without the sanitizer, under the interpreter."""
+    sanitizer = None if ctx.dry_run else (shutil.which("compute-sanitizer") or _find_sanitizer())
+    if not ctx.dry_run and sanitizer is None:
+        raise RuntimeError("compute-sanitizer not found (on PATH, /usr/local/cuda/bin or /opt/cuda/bin)")
+    parts = [part for part in SANITIZER_PARTS if ctx.sanitizer_parts is None or part.name in ctx.sanitizer_parts]
+    env = {**ctx.env, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    log = ctx.out / "memcheck.log"
+    runs: list[dict] = []
+    for part in parts:
+        if time.monotonic() >= ctx.deadline:
+            runs.append({"part": part.name, "tool": part.tool, "status": "not run (stage time limit)"})
+            continue
+        selection = sanitizer_selection(part, ctx.device)
+        start = log.stat().st_size if log.exists() else 0
+        with tempfile.TemporaryDirectory() as tmp:
+            junit = Path(tmp) / "part.xml"
+            pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *EVERY_TIER,
+                      f"--junitxml={junit}"]  # fmt: skip
+            prefix = [sanitizer, "--tool", part.tool, "--error-exitcode", "99", "--target-processes", "all"]
+            code = ctx.run([*(prefix if sanitizer else []), *pytest, *selection], "memcheck.log", env=env)
+            counts = _junit_counts(junit)
+        with open(log, encoding="utf-8", errors="replace") as file:
+            file.seek(start)
+            errors = sanitizer_errors(file.read())
+        clean = code == 0 and (errors == 0 or (ctx.dry_run and errors is None)) and counts["tests"] > 0
+        runs.append({"part": part.name, "tool": part.tool, "kernels": part.kernels, "exit": code,
+                     "sanitizer_errors": errors, "status": "passed" if clean else _status(code) if code else "failed",
+                     "selection": " ".join(selection), **counts})  # fmt: skip
+        _write_memcheck(ctx, sanitizer, runs)
+    _write_memcheck(ctx, sanitizer, runs)
+    statuses = [run["status"] for run in runs]
+    status = "passed" if all(s == "passed" for s in statuses) else "timed out" if any(
+        s in ("timed out", "not run (stage time limit)") for s in statuses) else "failed"  # fmt: skip
+    return status, {"parts": {run["part"]: run["status"] for run in runs},
+                    "sanitizer_errors": sum(run.get("sanitizer_errors") or 0 for run in runs)}  # fmt: skip
+
+
+def _write_memcheck(ctx: Context, sanitizer: str | None, runs: list[dict]) -> None:
+    """``memcheck.json`` and ``memcheck.md`` of the parts run so far."""
+    ctx.write("memcheck.json", {"sanitizer": sanitizer or "not run (dry run)", "parts": runs})
+    lines = ["# compute-sanitizer", "", f"sanitizer: {sanitizer or 'not run (dry run: the selections only)'}", "",
+             "| part | tool | status | sanitizer errors | exit | tests | failed | errors | skipped |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in runs:
+        cells = [run["part"], run["tool"], run["status"], run.get("sanitizer_errors", "-"),
+                 *(run.get(key, "-") for key in ("exit", "tests", "failures", "errors", "skipped"))]  # fmt: skip
+        lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
+    lines += [""] + [f"- {run['part']}: {run['kernels']}" for run in runs if "kernels" in run]
+    lines += [f"- FAILED {name}" for run in runs for name in run.get("failed", [])]
+    ctx.write("memcheck.md", "\n".join(lines) + "\n")
 
 
 def _count_row(name: str, counts: dict) -> str:
@@ -470,6 +585,12 @@ def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
     return _benchmark_stage(ctx, "ngram-crossover", ["benchmarks/bench_ngram_attention.py", "-k", "tiled_crossover"])
 
 
+def stage_infonce_crossover(ctx: Context) -> tuple[str, dict]:
+    """Every InfoNCE and selection algorithm forced over ``A`` (bf16, N 65536, D 512): the data of the thresholds
+    in ``icrl_kernels/contrastive/algorithms.py`` (benchmarks/results/README.md says what to read from it)."""
+    return _benchmark_stage(ctx, "infonce-crossover", ["benchmarks/bench_infonce.py", "-k", "crossover"])
+
+
 #: The training runs of the ``train`` stage, each in every :data:`TRAIN_MODES`: ``(name, model and task flags,
 #: size flags)`` (the dry run replaces the size flags by a tiny size). The main job (N-Gram AD, width 64),
 #: N-Gram AD at the paper's width 512, and Headless-AD on bandits.
@@ -482,9 +603,9 @@ TRAIN_RUNS = [
 #: the plain-PyTorch reference. (The dry run on the CPU replaces ``auto`` by ``eager``; ``--cuda-graph``
 #: is then ignored, so that run checks the plumbing only.)
 TRAIN_MODES = [
-    ("auto", ["--backend", "auto"]),
-    ("auto+graph", ["--backend", "auto", "--cuda-graph"]),
-    ("reference", ["--backend", "reference"]),
+    ("auto", ["--backend", "auto", "--cuda-graph", "off"]),
+    ("auto+graph", ["--backend", "auto", "--cuda-graph", "on"]),
+    ("reference", ["--backend", "reference", "--cuda-graph", "off"]),
 ]
 
 
@@ -568,8 +689,9 @@ def stage_paper_goals(ctx: Context) -> tuple[str, dict]:
                   "--backend", "eager"]  # fmt: skip
     elif PAPER_GOALS_RESULTS.exists():
         flags += ["--reuse-results", str(PAPER_GOALS_RESULTS)]
-    if ctx.cuda_graph:  # not part of a trial's identity: reused trials stay valid
-        flags += ["--cuda-graph"]
+    # Not part of a trial's identity: reused trials stay valid. Without the flag the runs train eagerly
+    # (icrl-compare's default, --cuda-graph auto, would graph them on CUDA).
+    flags += ["--cuda-graph", "on" if ctx.cuda_graph else "off"]
     command = [sys.executable, "-m", "icrl_models.experiments.ngram_ad", *flags]
     sweep = dataclasses.replace(ctx, deadline=ctx.deadline - PAPER_GOALS_REPORT_SECONDS)
     code = sweep.run(command, "paper-goals.log")
@@ -598,8 +720,11 @@ def _full_stage(name: str, files: list[str], expression: str | None) -> Callable
 
 STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
     "env": (stage_env, "~1 min: versions, nvidia-smi, a 1 GiB copy and an 8192^3 bf16 matmul, 10 each"),
-    "parity": (stage_parity, "~5 min (measured on an H200: the ~350 CUDA tests (-m gpu) in 232 s, 16 xdist "
-               "workers, their cost mostly Triton compiles; memcheck on 34 edge tests in one process ~45 s)"),
+    "parity": (stage_parity, "~4-5 min (measured on an H200: the ~350 CUDA tests (-m gpu) in 232 s, 16 xdist "
+               "workers, their cost mostly Triton compiles)"),
+    "memcheck": (stage_memcheck, "~5-8 min (estimate; never run to the end: the 34 edge tests of the parity stage's "
+                 "former memcheck took ~45 s in one process): compute-sanitizer memcheck over the edge cases of "
+                 "every kernel in 3 parts, then racecheck, each part one process; --sanitizer-parts runs some"),
     "configs": (stage_configs, "~2-4 min (estimate): one compile (~1-2 s) + one fwd/bwd per config of every "
                 "autotuned kernel"),
     "headline": (stage_headline, "~4-5 min (measured on an H200: 36 cases in 166 s, then 24 in 106 s): ~1 s "
@@ -608,6 +733,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
                 "under torch.profiler: device-busy time against the median, launches, longest kernels"),
     "ngram-crossover": (stage_ngram_crossover, "~1-2 min (estimate): tiled vs sort n-gram kernels over L, "
                         "fp32 and bf16 (TILED_MAX_LENGTH)"),
+    "infonce-crossover": (stage_infonce_crossover, "~4-6 min (estimate): 34 InfoNCE cases (forward + backward, the "
+                          "algorithms at 8 action counts, graph replays up to A = 16384, 3 more chunk sizes at "
+                          "A = 4096) and 36 selection cases; the fused kernels at A = 10^6 take ~1 s a call"),
     "train": (stage_train, "~5-8 min (estimate): 400 steps of icrl-train, the main job, N-Gram AD at width 512 and "
               "Headless-AD, each with the fused kernels, the same replayed from a CUDA graph (--cuda-graph), and "
               "--backend reference, after 200 histories per environment are generated"),
@@ -622,7 +750,9 @@ STAGES: dict[str, tuple[Callable[[Context], tuple[str, dict]], str]] = {
 def base_env(dry_run: bool, wheels: Path | None) -> dict[str, str]:
     """The environment the stages' subprocesses run in: the checkout first on ``PYTHONPATH``; the
     interpreter on in a dry run and off otherwise; ``--wheels`` installed into a temporary folder."""
-    env = dict(os.environ)
+    # A pytest-xdist worker's variables would make the stages' own pytest runs believe they are workers too
+    # (pytest-benchmark then disables itself and writes no results): the stages start fresh sessions.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST_")}
     paths = [str(ROOT)]
     if wheels is not None:
         target = Path(tempfile.mkdtemp(prefix="gpu_check_wheels_"))
@@ -666,6 +796,18 @@ def parse_stages(text: str, default_timeout: float = DEFAULT_TIMEOUT) -> list[tu
     return stages
 
 
+def parse_sanitizer_parts(text: str | None) -> tuple[str, ...] | None:
+    """``"memcheck-ngram,racecheck"`` -> those part names (checked against :data:`SANITIZER_PARTS`); None: all."""
+    if text is None:
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    known = [part.name for part in SANITIZER_PARTS]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"gpu_check: unknown sanitizer part(s) {unknown or text!r}; choose from: {', '.join(known)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -693,6 +835,11 @@ def main(argv: list[str] | None = None) -> int:
         "GPU run); the memcheck run of the edge cases is unchanged",
     )
     parser.add_argument(
+        "--sanitizer-parts",
+        metavar="NAMES",
+        help=f"memcheck: comma-separated parts to run (default all: {', '.join(p.name for p in SANITIZER_PARTS)})",
+    )
+    parser.add_argument(
         "--cuda-graph",
         action="store_true",
         help="paper-goals: train with icrl-train --cuda-graph (once the parity stage passed its graphed tests)",
@@ -705,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         parser.error("the output folder is required (or --list)")
     stages = parse_stages(args.stages, args.timeout)
+    sanitizer_parts = parse_sanitizer_parts(args.sanitizer_parts)
     args.out.mkdir(parents=True, exist_ok=True)
     env = base_env(args.dry_run, args.wheels)
     record_path = args.out / "stages.json"
@@ -712,7 +860,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, timeout in stages:
         ctx = Context(
             args.out, args.dry_run, timeout, env, deadline=time.monotonic() + timeout, headline_k=args.headline_k,
-            cuda_graph=args.cuda_graph, parity_k=args.parity_k,
+            cuda_graph=args.cuda_graph, parity_k=args.parity_k, sanitizer_parts=sanitizer_parts,
         )  # fmt: skip
         print(f"[gpu_check] {name} ...", flush=True)
         start = time.monotonic()

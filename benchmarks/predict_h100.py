@@ -1,6 +1,6 @@
 """Predicted H100 lower bounds of every headline case, from the ops' cost models (no GPU needed).
 
-For each headline shape it prints the minimal bytes and FLOPs (``icrl_kernels/<op>/cost.py``), the
+For each headline shape it prints the minimal bytes and FLOPs (``benchmarks/cost/<op>.py``), the
 roofline bound ``max(bytes / copy bandwidth, FLOPs / matmul peak)`` and the target time (1.5x the
 bound, docs/performance.md#targets). The device rates are **assumptions**, not measurements: an H100 SXM's copy
 bandwidth of about 3.0 TB/s (of 3.35 TB/s nominal HBM3), a dense bf16/fp16 matmul peak of about
@@ -16,14 +16,19 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from icrl_kernels._cost import OpCost, roofline
-from icrl_kernels.contrastive.cost import infonce_fwd_bwd_cost, select_actions_cost
-from icrl_kernels.looped.cost import inference_cost, train_step_cost
-from icrl_kernels.moa.cost import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost
-from icrl_kernels.ngram.cost import fwd_bwd_cost as ngram_cost
-from icrl_kernels.smeared.cost import fwd_bwd_cost as smeared_cost
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cost import OpCost, roofline  # noqa: E402
+from benchmarks.cost.contrastive import infonce_fwd_bwd_cost, select_actions_cost  # noqa: E402
+from benchmarks.cost.looped import inference_cost, train_step_cost  # noqa: E402
+from benchmarks.cost.moa import attention_fwd_bwd_cost, mixture_of_heads_fwd_bwd_cost  # noqa: E402
+from benchmarks.cost.ngram import fwd_bwd_cost as ngram_cost  # noqa: E402
+from benchmarks.cost.smeared import fwd_bwd_cost as smeared_cost  # noqa: E402
 
 #: Assumed H100 SXM rates (see the module docstring): bytes/s and FLOP/s.
 COPY_BANDWIDTH = 3.0e12

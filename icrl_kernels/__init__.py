@@ -3,6 +3,10 @@
 Every op has a readable eager reference (the spec), a Triton forward and backward registered as a
 torch custom op, a public function and a thin module. CUDA tensors run Triton; CPU tensors run eager
 PyTorch, or the Triton interpreter when ``TRITON_INTERPRET=1``; ``backend=`` overrides.
+
+The public API: the names below, :mod:`icrl_kernels.modules` (every ``nn.Module``),
+:mod:`icrl_kernels.validation` (the argument and value checks) and :mod:`icrl_kernels.testing` (parity
+helpers for tests); see docs/architecture.md.
 """
 
 from ._backend import BACKENDS, resolve_backend
@@ -24,6 +28,7 @@ from .ngram import (
     NGramPlan,
     ngram_attention,
     ngram_attention_reference,
+    ngram_match_matrix,
     ngram_plan,
     transition_ids,
 )
@@ -52,6 +57,7 @@ __all__ = [
     "mixture_of_heads_reference",
     "ngram_attention",
     "ngram_attention_reference",
+    "ngram_match_matrix",
     "ngram_plan",
     "orthonormal_embeddings",
     "resolve_backend",

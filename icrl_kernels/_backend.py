@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Mapping
 from typing import Literal
 
 import torch
+
+from ._validation import KERNEL_FLOAT_DTYPES, check_device
 
 Backend = Literal["auto", "triton", "eager", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "eager", "reference")
@@ -45,24 +48,36 @@ def triton_runs_on(device: torch.device) -> bool:
     return device.type == "cpu" and triton_interpreter_enabled()
 
 
-def resolve_backend(backend: str, device: torch.device, *, has_eager: bool = True) -> str:
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    *,
+    has_eager: bool = True,
+    kernel_inputs: Mapping[str, torch.Tensor | None] | None = None,
+) -> str:
     """Turn a user's ``backend=`` argument into ``"triton"``, ``"eager"`` or ``"reference"``.
 
     Args:
         backend: one of ``"auto"``, ``"triton"``, ``"eager"``, ``"reference"``.
-        device: the device of the op's inputs.
+        device: the device of the op's inputs (a ``torch.device``; a name such as ``"cuda"`` is checked).
         has_eager: whether the op has an eager fast path; without one ``"eager"`` means the reference.
+        kernel_inputs: the op's float tensor arguments by name (``None`` entries are skipped). When the
+            result is ``"triton"``, each must be fp16, bf16 or fp32, the dtypes the kernels take (fp64 runs
+            on the eager and reference backends only).
 
     Raises:
-        ValueError: unknown backend, or ``"triton"`` where Triton cannot run.
+        ValueError: unknown backend, a device name that names no device here, or ``"triton"`` where
+            Triton cannot run.
+        TypeError: a device that is not a ``torch.device``, ``str`` or ``int``; ``"triton"`` with a
+            ``kernel_inputs`` tensor of another dtype (the message names it).
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(device, torch.device):  # a name or index: checked (the ops pass a tensor's device)
+        device = check_device(device)
     if backend == "auto":
-        if triton_runs_on(device):
-            return "triton"
-        backend = "eager"
-    if backend == "triton":
+        backend = "triton" if triton_runs_on(device) else "eager"
+    elif backend == "triton":
         if not triton_available():
             raise ValueError("backend='triton' needs the triton package, which is not installed")
         if not triton_runs_on(device):
@@ -70,6 +85,10 @@ def resolve_backend(backend: str, device: torch.device, *, has_eager: bool = Tru
                 f"backend='triton' needs CUDA tensors (got device {device}) "
                 "or TRITON_INTERPRET=1 set before triton is imported"
             )
+    if backend == "triton":
+        for name, tensor in (kernel_inputs or {}).items():
+            if tensor is not None and tensor.dtype not in KERNEL_FLOAT_DTYPES:
+                raise TypeError(f"{name} must be float16, bfloat16 or float32 for backend='triton', got {tensor.dtype}")
         return "triton"
     if backend == "eager" and not has_eager:
         return "reference"

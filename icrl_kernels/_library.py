@@ -23,9 +23,11 @@ Two refinements, both in :func:`differentiable_op` and :func:`inference_op` so t
   ``opcheck``, ``torch.compile``, ``torch.export``, ``vmap``, tensor subclasses, double backward) goes
   through the registered op as before. :func:`set_fast_dispatch` (or ``ICRL_FAST_DISPATCH=0``) turns it off.
 
-Kernel wrappers allocate outputs with :func:`empty_output`, which tests switch to NaN-filled
-allocations (:func:`icrl_kernels.testing.poisoned_outputs`) so that an element a kernel forgot to
-write fails the parity check instead of passing by luck.
+Kernel wrappers allocate outputs with :func:`empty_output` (or :func:`empty_output_like`, in another
+tensor's memory order), which tests switch to NaN-filled allocations
+(:func:`icrl_kernels.testing.poisoned_outputs`) so that an element a kernel forgot to write fails the
+parity check instead of passing by luck. Every reference and eager path computes in
+:func:`compute_dtype` (fp32, fp64 for fp64 inputs).
 """
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.devi
     if _poison_outputs:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
+
+
+def empty_output_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty_output` of ``like``'s shape whose memory order follows ``like``'s strides (dense, no gaps).
+
+    For a gradient written in its input's own memory order, so that it matches whatever layout the
+    producer chose: e.g. PyTorch's flash kernels return ``[B, H, L, Dh]`` outputs that are
+    ``[B, L, H, Dh]``-contiguous, while SDPA's math path returns ``[B, H, L, Dh]``-contiguous ones.
+    """
+    order = sorted(range(like.dim()), key=lambda dim: -like.stride(dim))  # stable: ties keep dim order
+    buffer = empty_output([like.shape[dim] for dim in order], dtype=dtype, device=like.device)
+    inverse = [order.index(dim) for dim in range(like.dim())]
+    return buffer.permute(inverse)
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype every op's reference and eager path compute in: fp64 if any of ``tensors`` is fp64, fp32
+    otherwise (fp16 and bf16 inputs are upcast). Pass the tensors whose precision the result must keep
+    (the activations; parameters of another float dtype are read in this dtype)."""
+    return torch.float64 if any(tensor.dtype == torch.float64 for tensor in tensors) else torch.float32
 
 
 def set_fast_dispatch(enabled: bool) -> bool:
@@ -222,6 +244,35 @@ def inference_op(
     return _with_fast_call(op, fast)
 
 
+def fold_vmap_into_batch(op: CustomOpDef) -> CustomOpDef:
+    """Let ``torch.func.vmap`` run ``op`` as one call with the vmapped dimension folded into the batch.
+
+    For ops whose every tensor argument and output has a leading batch dimension ``B`` whose rows are
+    independent (the n-gram ops: one sequence per row). Under ``vmap`` over ``K`` slices, each tensor
+    argument becomes ``[K * B, ...]`` (an argument that is not vmapped is repeated for every slice), the op
+    runs once, and each output is split back into ``[K, B, ...]``: one launch for ``K`` models' sequences,
+    which is how many runs train as one batched program (:mod:`icrl_models.batched`). Only the forward
+    op needs the rule: a backward runs outside ``vmap``, on the folded tensors autograd saved. Returns ``op``.
+    """
+
+    def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
+        size = info.batch_size
+        folded = []
+        for arg, dim in zip(args, in_dims):
+            if isinstance(arg, torch.Tensor):
+                arg = arg.movedim(dim, 0) if dim is not None else arg.expand(size, *arg.shape)
+                arg = arg.reshape(size * arg.shape[1], *arg.shape[2:])
+            folded.append(arg)
+        output = op(*folded)
+        split = [t.reshape(size, t.shape[0] // size, *t.shape[1:]) for t in _as_tuple(output)]
+        if isinstance(output, tuple):
+            return tuple(split), (0,) * len(split)
+        return split[0], 0
+
+    op.register_vmap(rule)
+    return op
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -238,6 +289,7 @@ def differentiable_op(
     differentiable_outputs: int | None = None,
     pass_needs_grad: bool = False,
     traceable: Traceable = False,
+    materialize_grads: bool = True,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -262,6 +314,10 @@ def differentiable_op(
             registered with ``torch.library.triton_op`` where :func:`uses_triton_op` allows. A sequence of
             strings, e.g. ``("triton",)``, limits that to calls whose ``impl`` argument (found by name in
             ``forward`` and ``backward``) is one of them; other calls stay single opaque nodes.
+        materialize_grads: ``False``: autograd passes no zero-filled gradient for the outputs past
+            ``differentiable_outputs`` (a side output as large as an input, e.g. a gradient saved for the
+            backward, would otherwise cost a memset and its memory in every backward); the backward must
+            then never need the gradient of an unused differentiable output.
 
     Returns:
         ``(forward_op, backward_op)``: ``CustomOpDef`` s of ``torch.ops.icrl.<name>`` and
@@ -272,6 +328,8 @@ def differentiable_op(
     backward_op = _register(f"{name}_backward", backward, backward_fake, traceable)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
         saved = save(inputs, output)
         ctx.num_inputs = len(inputs)
         ctx.tensor_slots = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import pkgutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +16,7 @@ except ImportError as error:  # the eager paths need no Triton; only the kernel 
 
 from ._backend import triton_interpreter_enabled
 
-#: Every kernel made by :func:`autotune`, in import order (see :func:`autotuned_kernels`).
+#: Every kernel made by :func:`autotune`, in import order (see :func:`imported_autotuned_kernels`).
 _AUTOTUNED: list = []
 
 
@@ -29,7 +26,7 @@ def autotune(configs: Sequence[triton.Config], key: Sequence[str], **kwargs):
     A multi-config autotune needs a GPU to time candidates (it crashes in the interpreter), so the
     first config must be a sensible default on every device. The kernel remembers the full list
     (:func:`autotune_configs`), so that tests can still force each config in turn, and is registered
-    for :func:`autotuned_kernels`.
+    for :func:`imported_autotuned_kernels`.
     """
     configs = list(configs)
     tuned = configs[:1] if triton_interpreter_enabled() else list(configs)
@@ -66,72 +63,13 @@ def config_name(config: triton.Config) -> str:
     return "-".join(parts)
 
 
-def autotuned_kernels() -> list:
-    """Every kernel of the package declared with :func:`autotune`.
+def imported_autotuned_kernels() -> list:
+    """Every kernel declared with :func:`autotune` in the kernel modules imported so far, in import order.
 
-    Kernel modules are imported lazily by the ops, so this first imports every ``icrl_kernels`` module
-    whose name ends in ``kernels`` (``ngram.kernels``, ``ngram.tiled_kernels``, ...): a new autotuned
-    kernel is found without being listed anywhere.
+    Kernel modules are imported lazily by the ops; tooling that needs them all imports every
+    ``*kernels`` module first (``benchmarks/kernel_tools.py``'s ``autotuned_kernels``).
     """
-    import icrl_kernels
-
-    for module in pkgutil.walk_packages(icrl_kernels.__path__, prefix="icrl_kernels."):
-        if module.name.rsplit(".", 1)[-1].endswith("kernels"):
-            importlib.import_module(module.name)
     return list(_AUTOTUNED)
-
-
-@contextlib.contextmanager
-def recorded_autotuning(kernels: Sequence | None = None) -> Iterator[list[dict]]:
-    """Within the block, record every autotuning of ``kernels`` (default: :func:`autotuned_kernels`).
-
-    Yields a list that fills as the block runs, one entry per newly tuned key of a kernel::
-
-        {"kernel": "infonce_grad_pred", "key": "(512, 4096, 17, 'torch.bfloat16', ...)",
-         "best": "BLOCK_N64-BLOCK_D64-MAX_DO512-w8", "timings_ms": {config name: median ms, ...}}
-
-    ``timings_ms`` holds every config the autotuner timed (``inf`` for one that failed to compile or ran out
-    of resources), in the declared order, so a benchmark run on a GPU also says how far each config is from
-    the best (the data to choose the configs and the interpreter's default, the first, from). Keys tuned
-    before the block are not re-tuned, so they are not recorded; under the interpreter, whose autotuner
-    keeps one config, nothing is tuned and the list stays empty. Each kernel's ``run`` is wrapped for the
-    block only and restored afterwards, even if the block raises.
-    """
-    records: list[dict] = []
-    wrapped = list(autotuned_kernels() if kernels is None else kernels)
-
-    def recording(kernel, run):
-        def run_and_record(*args, **kwargs):
-            before = set(kernel.cache)
-            result = run(*args, **kwargs)
-            timings = getattr(kernel, "configs_timings", None) or {}
-            for key in set(kernel.cache) - before:  # one new key per call: the timings are its own
-                records.append({
-                    "kernel": kernel_name(kernel),
-                    "key": str(key),
-                    "best": config_name(kernel.cache[key]),
-                    "timings_ms": {config_name(config): float(_median(times)) for config, times in timings.items()},
-                })  # fmt: skip
-            return result
-
-        return run_and_record
-
-    saved = [(kernel, kernel.__dict__.get("run")) for kernel in wrapped]
-    for kernel in wrapped:
-        kernel.run = recording(kernel, kernel.run)  # an instance attribute over the class's method
-    try:
-        yield records
-    finally:
-        for kernel, previous in saved:
-            if previous is None:
-                del kernel.run
-            else:
-                kernel.run = previous
-
-
-def _median(times) -> float:
-    """The autotuner's timing of a config: ``do_bench``'s quantiles ``[median, p20, p80]`` or one number."""
-    return times[0] if isinstance(times, (list, tuple)) else times
 
 
 #: ``torch.library.wrap_triton`` (torch >= 2.6), else None.
@@ -162,4 +100,19 @@ def _tracing() -> bool:
 def size_bucket(size: int) -> int:
     """Power-of-two bucket of a problem size (rows, B * L, ...) for autotune keys: configs are re-tuned when
     the size changes by 2x or more, not at every new size. ``size_bucket(6400) == 8192``."""
-    return triton.next_power_of_2(max(1, int(size)))
+    return next_power_of_2(max(1, int(size)))
+
+
+# Host-side size arithmetic for launchers and grids. ``triton.cdiv`` and ``triton.next_power_of_2`` are Triton
+# constexpr functions: each host call unwraps its arguments first and costs microseconds (4-7 us measured on
+# the CPU VM, Triton 3.9), several per op call. These are the plain-Python equivalents.
+def cdiv(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for positive ints (symbolic sizes too)."""
+    return -(-numerator // denominator)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``n >= 1``; 0 for 0, as ``triton.next_power_of_2``)."""
+    if isinstance(n, int):
+        return 1 << (n - 1).bit_length() if n > 0 else 0
+    return triton.next_power_of_2(n)  # a symbolic size while torch traces

@@ -1,4 +1,8 @@
-"""Argument checks shared by every public function: errors name the offending argument."""
+"""Argument checks shared by every public function of both packages: errors name the offending argument.
+
+The implementation; :mod:`icrl_kernels.validation` is its public face (what :mod:`icrl_models` and users
+import).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
+
+_functorch = torch._C._functorch  # is_batchedtensor / get_unwrapped: tensors inside torch.func.vmap
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,15 +69,85 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first.device
 
 
+def check_device(value: object, name: str = "device") -> torch.device:
+    """A device argument (a ``torch.device``, a string such as ``"cpu"`` or ``"cuda:1"``, or a CUDA index)
+    as the ``torch.device`` it names, checked to exist on this machine; return it.
+
+    Raises:
+        TypeError: not a ``torch.device``, ``str`` or ``int``.
+        ValueError: a string that names no device type (torch's own error lists every type torch knows),
+            CUDA asked for where CUDA is not available, or a CUDA index past the last device.
+    """
+    if isinstance(value, bool) or not isinstance(value, (torch.device, str, int)):
+        raise TypeError(f"{name} must be a torch.device, str or int, got {type(value).__name__}")
+    try:
+        device = torch.device(value)
+    except RuntimeError:  # e.g. "gpu"
+        raise ValueError(f"{name} must name a device such as 'cpu', 'cuda' or 'cuda:1', got {value!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {str(device)!r} asked for CUDA, but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{name} {str(device)!r} does not exist: this machine has {count} CUDA device(s)")
+    return device
+
+
+def row_mask(rows: object, name: str, num_rows: int, device: torch.device) -> torch.Tensor:
+    """The rows a caller selects, as a bool mask ``[num_rows]`` on ``device``.
+
+    ``rows``: a bool mask ``[num_rows]``, or integer row indices in ``[0, num_rows)`` (a 1-D tensor, or a
+    list/tuple of ints). Indices are scattered into the mask (boolean indexing would size its result
+    from the values: a host sync); their range is a value check (``check_values``: no host read on GPU).
+
+    Raises:
+        TypeError: not a tensor, list or tuple; a dtype that is neither bool nor integer.
+        ValueError: a mask of another length, indices that are not 1-D or lie outside ``[0, num_rows)``.
+    """
+    if isinstance(rows, (list, tuple)):
+        flags = [isinstance(row, bool) for row in rows]
+        if all(flags) and rows:
+            rows = torch.tensor(rows, dtype=torch.bool)
+        elif any(flags) or not all(isinstance(row, numbers.Integral) for row in rows):
+            raise TypeError(f"{name} must hold ints (row indices) or only bools (a mask), got {rows!r}")
+        else:
+            rows = torch.tensor(rows, dtype=torch.int64)
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, list or tuple (row indices or a bool mask), got {rows!r}")
+    check_tensor(rows, name, ndim=1, dtypes=(torch.bool,) + INT_DTYPES)
+    if rows.dtype == torch.bool:
+        check_shape(rows, name, (num_rows,), "(num_rows,)")
+        return rows.to(device)
+    indices = rows.to(device).long()
+    outside = (indices < 0) | (indices >= num_rows)
+    message = f"{name} must be row indices in [0, {num_rows})"
+    check_values(outside.any(), message, lambda: f", got {indices[outside][:5].tolist()}")
+    # With value checks off, an index outside the rows selects nothing (an extra slot, dropped).
+    mask = torch.zeros(num_rows + 1, dtype=torch.bool, device=device)
+    return mask.index_fill(0, torch.where(outside, num_rows, indices), True)[:num_rows]
+
+
 def check_int(value: object, name: str, *, min_value: int | None = None, max_value: int | None = None) -> int:
-    """Check an integer argument (bool is rejected) against optional bounds; return it as ``int``."""
+    """Check an integer argument against optional inclusive bounds; return it as a Python ``int``.
+
+    Python and numpy integers pass; a bool, a float (even ``4.0``), a string or a tensor does not (a tensor
+    would need a host read, and an int-valued float is usually a mistake upstream).
+
+    Raises:
+        TypeError: not an integer (the message names the argument and shows the value).
+        ValueError: below ``min_value`` or above ``max_value``.
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     value = int(value)
-    if min_value is not None and value < min_value:
-        raise ValueError(f"{name} must be >= {min_value}, got {value}")
-    if max_value is not None and value > max_value:
-        raise ValueError(f"{name} must be <= {max_value}, got {value}")
+    if (min_value is not None and value < min_value) or (max_value is not None and value > max_value):
+        if max_value is None:
+            bounds = f">= {min_value}"
+        elif min_value is None:
+            bounds = f"<= {max_value}"
+        else:
+            bounds = f"in [{min_value}, {max_value}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
     return value
 
 
@@ -161,9 +237,12 @@ def check_matches_params(value: torch.Tensor, name: str, param: torch.Tensor) ->
 
 
 def check_generator(value: object, name: str = "generator") -> torch.Generator | None:
-    """Check an optional ``torch.Generator``; return it."""
+    """Check an optional ``torch.Generator`` (a seed such as ``42`` is not one); return it."""
     if value is not None and not isinstance(value, torch.Generator):
-        raise TypeError(f"{name} must be a torch.Generator or None, got {type(value).__name__}")
+        raise TypeError(
+            f"{name} must be a torch.Generator or None, got {type(value).__name__} {value!r} "
+            "(for a seed, pass torch.Generator().manual_seed(seed))"
+        )
     return value
 
 
@@ -238,13 +317,19 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
 
     This is the only place an op may read a tensor value on the host (a test scans the package for
     others). ``message`` names the argument and the rule; ``details`` (optional) returns extra text, such
-    as offending values, and runs only when a synchronous check fails.
+    as offending values, and runs only when a synchronous check fails. Under ``torch.func.vmap`` (batched
+    training of many runs, :mod:`icrl_models.batched`) ``bad`` is reduced over the vmapped dimensions
+    first: the check fails when any slice is bad, and ``details`` is left out.
     """
     if _value_check_mode == "off":
         return
+    batched = _functorch.is_batchedtensor(bad)
+    while _functorch.is_batchedtensor(bad):  # inside torch.func.vmap: the check covers every vmapped slice
+        bad = _functorch.get_unwrapped(bad).any()
     if synchronous_value_checks(bad.device):
         if bool(bad):
-            raise ValueError(message + (details() if details is not None else ""))
+            # details() would read values of the vmapped tensors, which vmap forbids: the message alone there.
+            raise ValueError(message + (details() if details is not None and not batched else ""))
         return
     torch._assert_async(~bad, message)
 

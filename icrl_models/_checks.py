@@ -1,23 +1,24 @@
-"""Argument checks shared by the public constructors and functions of :mod:`icrl_models`.
+"""Argument checks of :mod:`icrl_models` that :mod:`icrl_kernels.validation` does not have: numpy-world values
+(integer-likes, seeds, finite arrays) and the training configs' fields.
 
 Each check raises ``TypeError`` for a value of the wrong kind and ``ValueError`` for a value of the
 right kind out of range, and names the argument, so that a caller's mistake is reported where it is
-made instead of as an ``AttributeError`` or a bare ``int()`` error deep inside numpy or torch.
+made instead of as an ``AttributeError`` or a bare ``int()`` error deep inside numpy or torch. The
+shared ones (``check_int``, ``check_generator``, the tensor checks) come from
+:mod:`icrl_kernels.validation`: one set for both packages.
 """
 
 from __future__ import annotations
 
 import numbers
 import sys
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import torch
-
-# torch is not imported here: the environments (and gymnasium's plugin loading) use these checks and
-# must not pay torch's seconds-long import. A value can only be a tensor if torch is already imported.
+# Neither torch nor icrl_kernels is imported here (nor at the top of the environments' modules, which import
+# icrl_kernels.validation inside the functions that need it): the environments (and gymnasium's plugin
+# loading) use these checks and must not pay torch's seconds-long import. A value can only be a tensor if
+# torch is already imported.
 
 
 def _torch():
@@ -38,18 +39,6 @@ def is_integer(value) -> bool:
             value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
         )
     return False
-
-
-def check_int(value, name: str, *, low: int | None = None, high: int | None = None) -> int:
-    """``value`` as a Python int, checked to be an integer (not a bool or a float such as ``4.0``) in
-    ``[low, high]`` (inclusive; either bound may be None)."""
-    if not is_integer(value):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"<= {high}" if low is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
-    return value
 
 
 def check_float(value, name: str, *, low: float | None = None, finite: bool = True) -> float:
@@ -81,18 +70,6 @@ def check_seed(seed, name: str = "seed"):
     raise TypeError(f"{name} must be None or a non-negative int, got {type(seed).__name__} {seed!r}")
 
 
-def check_generator(generator, name: str = "generator") -> torch.Generator | None:
-    """None or a ``torch.Generator`` (a seed such as ``42`` is not one: use
-    ``torch.Generator().manual_seed(42)``)."""
-    torch = _torch()
-    if generator is not None and (torch is None or not isinstance(generator, torch.Generator)):
-        raise TypeError(
-            f"{name} must be a torch.Generator or None, got {type(generator).__name__} {generator!r} "
-            "(for a seed, pass torch.Generator().manual_seed(seed))"
-        )
-    return generator
-
-
 def check_finite(array: np.ndarray, name: str) -> np.ndarray:
     """``array`` (a float numpy array), checked to hold no NaN or infinity."""
     if not np.isfinite(array).all():
@@ -112,18 +89,32 @@ TRAINING_FIELD_RANGES = (
 TRAINING_COUNTS = ("steps", "batch_size", "log_every", "checkpoint_every")
 
 
+#: What a trainer does with a step whose loss or gradient norm is not finite (:mod:`icrl_models.nonfinite`).
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def check_nonfinite_policy(policy: object) -> str:
+    """``policy`` if it is one of :data:`NONFINITE_POLICIES`; ``ValueError`` naming ``nonfinite`` otherwise."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    return policy
+
+
 def check_training_fields(config) -> None:
     """Check the optimiser and schedule fields that ``config`` has (see :data:`TRAINING_FIELD_RANGES` and
     :data:`TRAINING_COUNTS`); a field it lacks, or one still ``None`` (a preset fills it later), is skipped.
     Raises ``TypeError`` / ``ValueError`` naming the field."""
+    from icrl_kernels.validation import check_int  # here, not at the top: the environments import without torch
 
     def present(names):
         return [name for name in names if getattr(config, name, None) is not None]
 
     for name in present(TRAINING_COUNTS):
-        check_int(getattr(config, name), name, low=1)
+        check_int(getattr(config, name), name, min_value=1)
     for name in present(("warmup_steps",)):
-        check_int(getattr(config, name), name, low=0)
+        check_int(getattr(config, name), name, min_value=0)
+    if hasattr(config, "nonfinite"):
+        check_nonfinite_policy(config.nonfinite)
     for bounds, inside, names in TRAINING_FIELD_RANGES:
         for name in present(names):
             value = check_float(getattr(config, name), name)  # finite: NaN and inf fail here

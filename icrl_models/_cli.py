@@ -6,6 +6,9 @@ returns 2, as ``argparse``'s ``parser.error`` does for a malformed command line.
 and keeps its traceback, except a :class:`ReportedFailure` (failed sweep trials, whose tracebacks are in their
 logs): one line, exit status 1. ``ICRL_TRACEBACK=1`` in the environment shows the traceback of both too.
 
+A write the machine refuses (a full disk, a read-only filesystem: :data:`WRITE_REFUSED_ERRNOS`, and
+``PermissionError``) is one line with exit status 2 too, naming the file.
+
 The split follows the library's convention: every check of a caller's input raises ``ValueError``
 (:class:`~icrl_models.data.DatasetError` and :class:`~icrl_models.checkpoint.CheckpointError` are
 subclasses), and a missing path raises ``FileNotFoundError``. A ``TypeError`` means the library was
@@ -15,12 +18,15 @@ called wrongly, so it is a bug at the command line (argparse has already convert
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import os
 import sys
 from collections.abc import Callable
 
 import torch
+
+from icrl_kernels.validation import check_device
 
 #: Exceptions reported as one line with exit status 2 instead of a traceback.
 USER_ERRORS: tuple[type[BaseException], ...] = (
@@ -31,6 +37,11 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     NotADirectoryError,
     PermissionError,
 )
+#: ``OSError`` numbers of a write that the machine refused: a full disk or quota, a read-only filesystem, a
+#: file too large. Reported like user errors (one line, exit status 2): the user frees space or picks another
+#: folder; the files are written atomically (:mod:`icrl_models.files`), so nothing was left half-written.
+#: (``EACCES``/``EPERM`` are ``PermissionError``, a user error already.)
+WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
@@ -66,6 +77,11 @@ def command_line(prog: str) -> Callable[[Callable[..., int | None]], Callable[..
                 status = main(argv)
             except USER_ERRORS as error:
                 if os.environ.get("ICRL_TRACEBACK"):
+                    raise
+                print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+                return EXIT_USAGE
+            except OSError as error:
+                if error.errno not in WRITE_REFUSED_ERRNOS or os.environ.get("ICRL_TRACEBACK"):
                     raise
                 print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
                 return EXIT_USAGE
@@ -117,13 +133,10 @@ def resolve_device(name: str, *, local_rank: int = 0, name_of: str = "device") -
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsageError(f"{name_of} {name!r} asked for CUDA, but CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise UsageError(f"{name_of} {name!r} does not exist: this machine has {count} CUDA device(s)")
-    elif device.type not in ("cpu",):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
         raise UsageError(f"{name_of} must be auto, cpu, cuda or cuda:N, got {name!r}")
-    return device
+    try:
+        return check_device(device, name_of)  # CUDA present, the index in range
+    except ValueError as error:
+        raise UsageError(str(error)) from None

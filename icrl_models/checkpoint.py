@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .files import atomic_open
 
 CHECKPOINT_VERSION = 1
 REQUIRED_KEYS = ("version", "step", "config", "model", "optimizer", "rng")
@@ -44,8 +45,8 @@ class UncheckedCheckpointWarning(UserWarning):
 
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``payload`` (see :data:`REQUIRED_KEYS`) to ``path`` atomically with a SHA-256 digest: a
-    temporary file in the same folder, fsync, then rename, so a kill mid-write leaves the previous
-    checkpoint intact."""
+    temporary file in the same folder, fsync, then rename (:func:`~icrl_models.files.atomic_open`), so a
+    kill or a full disk mid-write leaves the previous checkpoint intact."""
     if not isinstance(payload, dict):
         raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
     path = Path(path)
@@ -57,18 +58,9 @@ def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getbuffer()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + hashlib.sha256(data).digest())
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as file:
+        file.write(MAGIC + hashlib.sha256(data).digest())
+        file.write(data)
     return path
 
 
@@ -89,6 +81,39 @@ def _read_payload_bytes(path: Path) -> bytes:
         )
         return raw
     raise CheckpointError(f"{path} is not a checkpoint: truncated or corrupt, or another kind of file")
+
+
+def _check_fields(path: Path, payload: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` naming the field unless the required fields have their kinds: ``step``
+    an int >= 0 (not a bool or a float), ``model`` a state dict (names -> tensors), ``optimizer`` and ``rng``
+    dicts. A resuming trainer would otherwise fail later with a raw ``AttributeError`` or ``KeyError``."""
+    step = payload["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: field 'step' must be an int >= 0, got {step!r}")
+    model = payload["model"]
+    if not isinstance(model, dict) or not all(
+        isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in model.items()
+    ):
+        raise CheckpointError(f"{path}: field 'model' must be a state dict (parameter names -> tensors)")
+    for field in ("optimizer", "rng"):
+        if not isinstance(payload[field], dict):
+            raise CheckpointError(f"{path}: field {field!r} must be a dict, got {type(payload[field]).__name__}")
+
+
+def checkpoint_field(payload: dict[str, Any], path: str | os.PathLike, *keys: str, kind: type | tuple = object) -> Any:
+    """``payload[keys[0]][keys[1]]...`` of a loaded checkpoint, checked to exist and be a ``kind``; a
+    :class:`CheckpointError` naming the field (e.g. ``'rng'['numpy']``) otherwise. For the fields a
+    trainer adds to :data:`REQUIRED_KEYS` (random states, histories)."""
+    value: Any = payload
+    for depth, key in enumerate(keys):
+        if not isinstance(value, dict) or key not in value:
+            field = "".join(f"[{k!r}]" for k in keys[: depth + 1])
+            raise CheckpointError(f"{path}: field {field} is missing")
+        value = value[key]
+    if not isinstance(value, kind):
+        field = "".join(f"[{k!r}]" for k in keys)
+        raise CheckpointError(f"{path}: field {field} has type {type(value).__name__}, not the one saved")
+    return value
 
 
 def load_checkpoint(path: str | os.PathLike, *, expect_config: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -123,6 +148,7 @@ def load_checkpoint(path: str | os.PathLike, *, expect_config: dict[str, Any] | 
     stored = payload["config"]
     if not isinstance(stored, dict):
         raise CheckpointError(f"{path} holds a config of type {type(stored).__name__}, expected a dict")
+    _check_fields(path, payload)
     if expect_config is not None:
         differing = sorted(key for key in expect_config if stored.get(key) != expect_config[key])
         if differing:

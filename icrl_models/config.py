@@ -5,7 +5,8 @@ A field ``num_episodes: int = 200`` becomes ``--num-episodes INT``; ``bool`` fie
 ``--ngram-sizes 1 2`` (``nargs``; a comma-separated ``1,2`` is read the same, as older command lines
 wrote it). The field's docstring-like comment is not available at run time, so help texts come from an
 optional ``help`` entry in the field's metadata; ``aliases`` there adds more option strings, ``metavar``
-names the value, ``allow_empty`` lets a list flag take no value.
+names the value, ``allow_empty`` lets a list flag take no value, ``const`` is the value of the flag given
+alone (``--cuda-graph`` for ``--cuda-graph on``).
 
 Kept hand-written rather than built on tyro or simple-parsing (both evaluated for issue 18): tyro prints
 boxed multi-line errors instead of ``prog: error: ...`` and reads the section comments of a dataclass as
@@ -104,6 +105,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type) ->
 
         convert.__name__ = kind.__name__  # argparse's "invalid int value: 'x'"
         extra: dict[str, Any] = {}
+        if "const" in field.metadata:  # the flag alone means this value: "--cuda-graph" for "--cuda-graph on"
+            extra.update(nargs="?", const=field.metadata["const"])
         if is_list:
             # A field that may be empty takes zero values ("--markov-heads" alone: none).
             extra["nargs"] = "*" if (optional or field.metadata.get("allow_empty")) else "+"

@@ -9,7 +9,8 @@ default CUDA generator can be recorded once and replayed:
 * :func:`capture_train_step` records ``step(*inputs)`` (forward, backward, gradient clipping and the
   optimiser step) with PyTorch's whole-network capture: warm-up on a side stream, static input buffers,
   one graph, replayed per batch. The optimiser must be ``torch.optim.Adam``/``AdamW`` with
-  ``capturable=True`` (the step counter and the learning rate live on the device);
+  ``capturable=True`` (the step counter and the learning rate live on the device), or one that keeps all
+  its state on the device by itself (:class:`~icrl_models.batched.RunAdamW`, many runs' AdamW);
   :func:`prepare_capturable` makes one so, e.g. after ``load_state_dict``. The last warm-up step runs
   under torch's sync-debug mode (a host read fails there, naming its line), and a failed capture raises
   :class:`CaptureError` with the model, optimiser and random generators as before.
@@ -27,12 +28,59 @@ Used by ``icrl-train --cuda-graph`` (:mod:`icrl_models.train`; also ``icrl-compa
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from icrl_kernels import LoopedBlock, device_side_value_checks
+from icrl_kernels.validation import check_device
+
+if TYPE_CHECKING:
+    from .nonfinite import NonFiniteGuard
+
+
+#: ``--cuda-graph`` of every trainer: ``"auto"`` (the default) graphs the training steps on CUDA devices where
+#: nothing excludes it (``--compile``, data-parallel runs) and falls back to eager steps, with a one-line
+#: note, if a capture fails; ``"on"`` graphs them or fails with the reason; ``"off"`` never graphs. Off CUDA
+#: nothing changes (``"on"`` is ignored there with a note).
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+CUDA_GRAPH_HELP = (
+    "auto (default: on CUDA devices, each training step captured in one CUDA graph and replayed; eager "
+    "where a capture fails), on, or off; the flag alone means on; nothing changes off CUDA"
+)
+
+
+def cuda_graph_mode(value: object) -> str:
+    """``value`` as one of :data:`CUDA_GRAPH_MODES`; ``True`` / ``False`` (configs written before the modes)
+    are ``"on"`` / ``"off"``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in CUDA_GRAPH_MODES:
+        raise ValueError(f"cuda_graph must be one of {CUDA_GRAPH_MODES}, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
+def use_cuda_graph(mode: str, device: torch.device, *, excluded: str | None = None) -> bool:
+    """Whether a trainer on ``device`` captures its steps in CUDA graphs, for ``--cuda-graph mode``.
+
+    ``excluded``: why graphs cannot run in this run (``--compile``, a data-parallel run), or ``None``:
+    ``"auto"`` then trains eagerly, ``"on"`` raises ``ValueError`` with that text. Off CUDA, ``"on"`` prints
+    a one-line note on stderr and trains eagerly."""
+    mode = cuda_graph_mode(mode)
+    if mode == "off":
+        return False
+    if excluded is not None:
+        if mode == "on":
+            raise ValueError(excluded)
+        return False
+    if device.type != "cuda":
+        if mode == "on":
+            print(f"cuda_graph: ignored on {device} (CUDA only); training eagerly", file=sys.stderr)
+        return False
+    return True
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -182,8 +230,12 @@ class GraphedTrainStep:
         *,
         warmup_steps: int = 3,
         generators: Sequence[torch.Generator] = (),
+        extra_state: Sequence[torch.Tensor] = (),
     ) -> None:
-        _check_adam(optimizer)
+        # Adam / AdamW made capturable, or an optimiser that keeps every value on the device by design (the
+        # per-run AdamW of batched runs, icrl_models.batched.RunAdamW, says so with graph_capturable = True).
+        if not getattr(type(optimizer), "graph_capturable", False):
+            _check_adam(optimizer)
         if not all(group.get("capturable", False) for group in optimizer.param_groups):
             raise ValueError(
                 "optimizer must have capturable=True to be captured in a CUDA graph "
@@ -199,7 +251,7 @@ class GraphedTrainStep:
         self.static_inputs = [x.detach().clone() for x in example_inputs]
         # The warm-up runs real optimiser steps on the example batch; undo them afterwards so that capturing
         # does not change training (the capture itself runs nothing).
-        saved, generator_states = _snapshot(model, optimizer), graphs.generator_states()
+        saved, generator_states = _snapshot(model, optimizer, extra_state), graphs.generator_states()
         try:
             with _no_loop_graphs(model):
                 with graphs.side_stream():
@@ -241,6 +293,7 @@ def capture_train_step(
     *,
     warmup_steps: int = 3,
     generators: Sequence[torch.Generator] = (),
+    extra_state: Sequence[torch.Tensor] = (),
 ) -> GraphedTrainStep:
     """Capture ``step(*inputs) -> tensor`` (forward, backward and ``optimizer.step()``) in a CUDA graph for
     inputs shaped like ``example_inputs`` (CUDA tensors).
@@ -248,22 +301,35 @@ def capture_train_step(
     ``step`` must read no device value on the host (the last warm-up step checks it under torch's
     sync-debug mode) and draw random numbers from the default CUDA generator or from ``generators``
     (registered with the graph; each replay then draws fresh numbers). Capturing runs ``warmup_steps >= 2``
-    steps on the example inputs and then restores the parameters, buffers and optimiser state, so it leaves
-    training unchanged; a failure raises :class:`CaptureError` and leaves nothing changed.
+    steps on the example inputs and then restores the parameters, buffers and optimiser state, and the device
+    tensors ``extra_state`` that ``step`` updates in place (a :class:`~icrl_models.nonfinite.NonFiniteGuard`'s
+    counters), so it leaves training unchanged; a failure raises :class:`CaptureError` and leaves nothing
+    changed.
     """
-    return GraphedTrainStep(step, model, optimizer, example_inputs, warmup_steps=warmup_steps, generators=generators)
+    return GraphedTrainStep(
+        step, model, optimizer, example_inputs, warmup_steps=warmup_steps, generators=generators,
+        extra_state=extra_state,
+    )  # fmt: skip
+
+
+def _device(device: torch.device | str | int) -> torch.device:
+    """``device`` as a ``torch.device``; a name or index is checked (``check_device``), a ``torch.device`` passed
+    as it is (these run every step: no per-step cost for the trainers, which resolve their device once)."""
+    return device if isinstance(device, torch.device) else check_device(device)
 
 
 def pinned(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """A CPU batch in pinned memory when ``device`` is CUDA (as it is otherwise): its copy to the device
     then runs asynchronously, where CUDA documents that a copy from pageable memory may make the host wait
     for the stream."""
-    if device.type != "cuda":
+    if _device(device).type != "cuda":
         return dict(batch)
     return {name: value.pin_memory() if value.device.type == "cpu" else value for name, value in batch.items()}
 
 
 def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's tensors copied to ``device`` (asynchronously where the source is pinned)."""
+    device = _device(device)
     return {name: value.to(device, non_blocking=True) for name, value in batch.items()}
 
 
@@ -275,8 +341,12 @@ class StepRunner:
     a few statistics), read on the host only when the caller asks.
 
     A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`). ``generators``:
-    non-default CUDA generators the step draws from (see :func:`capture_train_step`). If the capture fails,
-    the call raises :class:`CaptureError` (nothing changed, see there), and so does every later call.
+    non-default CUDA generators the step draws from (see :func:`capture_train_step`). With ``guard`` (a
+    :class:`~icrl_models.nonfinite.NonFiniteGuard` of this model and optimiser) every step is watched for a
+    non-finite loss or gradient norm, inside the graph too. If the capture fails, the call raises
+    :class:`CaptureError` (nothing changed, see there), and so does every later call; with ``fallback``
+    (``--cuda-graph auto``) it prints the error on one line instead and runs this and every later step
+    eagerly.
     """
 
     def __init__(
@@ -287,11 +357,16 @@ class StepRunner:
         device: torch.device,
         *,
         cuda_graph: bool = False,
+        fallback: bool = False,
         generators: Sequence[torch.Generator] = (),
+        guard: NonFiniteGuard | None = None,
     ) -> None:
-        self.step, self.model, self.optimizer, self.device = step, model, optimizer, device
-        self.graphed = bool(cuda_graph) and device.type == "cuda"
+        self.step = guard.watch(step) if guard is not None else step
+        self.model, self.optimizer, self.device = model, optimizer, check_device(device)
+        self.extra_state = guard.state_tensors() if guard is not None else []
+        self.graphed = bool(cuda_graph) and self.device.type == "cuda"
         self.generators = tuple(generators)
+        self.fallback = fallback
         self.captured: GraphedTrainStep | None = None
         self.failure: CaptureError | None = None
         self.names: tuple[str, ...] = ()
@@ -310,9 +385,14 @@ class StepRunner:
             example = list(to_device(batch, self.device).values())
             try:
                 self.captured = capture_train_step(
-                    named_step, self.model, self.optimizer, example, generators=self.generators
-                )
+                    named_step, self.model, self.optimizer, example, generators=self.generators,
+                    extra_state=self.extra_state,
+                )  # fmt: skip
             except CaptureError as error:  # an op that cannot be captured: a bug of ours, with its traceback
+                if self.fallback:  # --cuda-graph auto: nothing was changed by the attempt; go on eagerly
+                    print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
+                    self.graphed = False
+                    return self.step(to_device(batch, self.device))
                 self.failure = CaptureError(f"cuda_graph: {error}; train without the CUDA graph (--cuda-graph off)")
                 raise self.failure from error
         if tuple(batch) != self.names:
@@ -335,13 +415,15 @@ def _no_loop_graphs(model: nn.Module):
             block.cuda_graph = True
 
 
-def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Copies of the model's state (parameters and persistent buffers, by name) and the optimiser's state.
+def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, extra_state: Sequence[torch.Tensor] = ()) -> dict:
+    """Copies of the model's state (parameters and persistent buffers, by name), the optimiser's state and the
+    tensors ``extra_state`` (restored in place by :func:`_restore`).
 
     Non-persistent buffers are not state (no checkpoint holds them) and are left out: a step may replace
     them, e.g. Headless-AD's action map, which the step points at a static input of the graph."""
     with torch.no_grad():
         return {
+            "extra": [(tensor, tensor.detach().clone()) for tensor in extra_state],
             "model": {name: t.detach().clone() for name, t in model.state_dict(keep_vars=True).items()},
             "state": {
                 (id(p), name): value.detach().clone()
@@ -363,4 +445,6 @@ def _restore(saved: dict, model: nn.Module, optimizer: torch.optim.Optimizer) ->
                     old = saved["state"].get((id(p), name))
                     # State created by the warm-up: Adam's fresh state (step, moments) is all zeros.
                     value.copy_(old) if old is not None else value.zero_()
+        for tensor, value in saved["extra"]:
+            tensor.copy_(value)
     optimizer.zero_grad(set_to_none=True)

@@ -3,9 +3,7 @@
 Builds Dark-Room-like learning histories (81 states, 5 actions, binary reward), turns them into
 transition token ids, and for growing context lengths runs n-gram attention with the fast path of
 this machine and with the dense O(L^2) reference: it checks they agree, times both, and finishes
-with incremental decoding (one step at a time) against the full computation.
-
-Until the AD training job exists this is the README's first command.
+with incremental decoding (one step at a time) against the full computation (docs/training.md).
 """
 
 from __future__ import annotations

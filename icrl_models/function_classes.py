@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_generator, check_int
+from icrl_kernels.validation import check_device, check_generator, check_int
 
 FUNCTION_CLASSES: tuple[str, ...] = ("linear_regression", "sparse_linear_regression", "decision_tree", "relu_2nn")
 BASELINES: tuple[str, ...] = ("least_squares", "averaging", "3nn")
@@ -107,15 +107,17 @@ def sample_prompts(
         n_points: points per prompt ``k``.
         active_dims: coordinates of ``x`` that are non-zero (the dims curriculum); default all ``d``.
         generator: a CPU ``torch.Generator`` for reproducible draws (sampled on CPU, then moved).
+        device: where the prompts go (default: the CPU); it must exist on this machine.
 
     Returns:
         ``xs [B, k, d]`` and ``ys [B, k]``, fp32 on ``device``.
     """
     d = config.n_dims
-    active = d if active_dims is None else check_int(active_dims, "active_dims", low=1, high=d)
-    batch = check_int(batch, "batch", low=1)
-    n_points = check_int(n_points, "n_points", low=1)
+    active = d if active_dims is None else check_int(active_dims, "active_dims", min_value=1, max_value=d)
+    batch = check_int(batch, "batch", min_value=1)
+    n_points = check_int(n_points, "n_points", min_value=1)
     check_generator(generator)
+    device = check_device(device) if device is not None else torch.device("cpu")
     mask = _active_mask(d, active, "cpu").float()
     xs = torch.randn(batch, n_points, d, generator=generator) * mask
     if config.name in ("linear_regression", "sparse_linear_regression"):

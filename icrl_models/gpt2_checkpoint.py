@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .files import atomic_open, atomic_path, write_json
+
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
 BIN_NAME = "pytorch_model.bin"
@@ -142,7 +144,7 @@ def _get(module: nn.Module, dotted: str) -> torch.Tensor:
     return module
 
 
-#: Model attributes of which GPT-2 holds only the first rows: a gated MoA layer's fused projection is
+#: Model attributes of which GPT-2 holds only the first rows: a gated MoA layer's projection weight is
 #: ``[q | k | v | gate]`` and GPT-2's ``c_attn`` is ``[q | k | v]`` (value: rows in units of ``n_embd``).
 _GPT2_ROWS = {"attn.qkv.weight": 3, "attn.qkv.bias": 3}
 
@@ -297,14 +299,16 @@ def save_gpt2_weights(
         "layer_norm_epsilon": float(getattr(model.config, "layer_norm_epsilon", 1e-5)),
         "activation_function": "gelu_new",
     }
-    (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    write_json(directory / CONFIG_NAME, config, indent=2)
     state = gpt2_state_dict(model, prefix=prefix)
     if format == "safetensors":
         path = directory / SAFETENSORS_NAME
-        _safetensors().save_file(state, str(path), metadata={"format": "pt"})
+        with atomic_path(path) as temporary:
+            _safetensors().save_file(state, str(temporary), metadata={"format": "pt"})
     else:
         path = directory / BIN_NAME
-        torch.save(state, path)
+        with atomic_open(path, "wb") as file:
+            torch.save(state, file)
     return path
 
 

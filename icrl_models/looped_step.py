@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .cuda_graphs import GraphedTrainStep
+from .nonfinite import NonFiniteGuard
 
 
 def make_optimizer(params, lr: float, *, capturable: bool = False, weight_decay: float = 0.0) -> torch.optim.Optimizer:
@@ -77,6 +78,7 @@ def make_graphed_train_step(
     grad_loops: int,
     autocast_dtype: torch.dtype | None = None,
     warmup_steps: int = 3,
+    guard: NonFiniteGuard | None = None,
 ) -> GraphedTrainStep:
     """:func:`train_step` of the looped model captured in one CUDA graph for batches shaped like
     ``example_batch = (xs [B, k, d], ys [B, k])`` and this ``loops``/``grad_loops``.
@@ -85,10 +87,15 @@ def make_graphed_train_step(
     optimiser state, same loss) with one graph launch. The optimiser must be Adam/AdamW with
     ``capturable=True``; the learning rate must be a tensor for a schedule to reach the graph (set it with
     :func:`set_learning_rate`). Capturing runs ``warmup_steps`` steps on the example batch and then restores
-    the parameters and the optimiser state, so it leaves training unchanged.
+    the parameters and the optimiser state, so it leaves training unchanged. ``guard``: a
+    :class:`~icrl_models.nonfinite.NonFiniteGuard` of this model and optimiser that watches every replayed step.
     """
 
     def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         return train_step(model, optimizer, xs, ys, loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype)
 
-    return GraphedTrainStep(step, model, optimizer, example_batch, warmup_steps=warmup_steps)
+    if guard is None:
+        return GraphedTrainStep(step, model, optimizer, example_batch, warmup_steps=warmup_steps)
+    return GraphedTrainStep(
+        guard.watch(step), model, optimizer, example_batch, warmup_steps=warmup_steps, extra_state=guard.state_tensors()
+    )

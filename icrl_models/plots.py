@@ -7,6 +7,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .files import save_figure
+
 
 def plot_curves(
     curves: Mapping[str, np.ndarray],
@@ -47,5 +49,4 @@ def plot_curves(
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)

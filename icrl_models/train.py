@@ -13,11 +13,16 @@ rewrites none), optionally to TensorBoard / Weights & Biases (``--track``), and 
 out in context on held-out tasks and write ``eval.json`` / ``eval.png``, printing a table. Rerunning
 a finished run prints its stored result without training or evaluating again.
 
+Faults: a step whose loss or gradient norm is inf or NaN ends the run with one line naming the step, the
+values and the last good checkpoint, which stays intact (``--nonfinite skip`` undoes such steps instead);
+every file is written atomically, so a killed run resumes from its last complete checkpoint, and a full
+disk is one line with exit status 2 (docs/models.md, "Faults").
+
 Speed: ``--threads`` sets torch's CPU threads (default: half the available cores, at most 4: on a
 shared CPU more threads made steps 10-25x slower), ``--compile`` compiles the training forward with
-``torch.compile``, and on CUDA ``--cuda-graph`` captures each training step (forward, backward, gradient
-clipping, AdamW) in one CUDA graph: on a GPU these models' steps are bound by the host's kernel launches,
-not by the device.
+``torch.compile``, and on CUDA each training step (forward, backward, gradient clipping, AdamW) is captured
+in one CUDA graph and replayed (``--cuda-graph auto``, the default; ``off`` trains eagerly, ``on`` fails where
+a graph cannot run): on a GPU these models' steps are bound by the host's kernel launches, not by the device.
 
 Action sets: models act on *positions* in an environment's action set (local indices), as the
 Headless-AD paper does; AD's head therefore has one output per position of the largest training set,
@@ -32,6 +37,7 @@ processes (gloo); each rank samples its own windows, rank 0 writes data, checkpo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -45,12 +51,23 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ._checks import check_int, check_training_fields
+from icrl_kernels.validation import check_device, check_int
+
+from ._checks import check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
-from .checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
-from .cuda_graphs import StepRunner, eager_optimizer_state, pinned, prepare_capturable, set_learning_rate
+from .cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    StepRunner,
+    cuda_graph_mode,
+    eager_optimizer_state,
+    pinned,
+    prepare_capturable,
+    set_learning_rate,
+    use_cuda_graph,
+)
 from .data import (
     GenerateConfig,
     HistoryWindows,
@@ -63,9 +80,11 @@ from .data import (
 from .data.generate import BANDITS, ENV_NAMES, build_env
 from .envs.splits import grid_task_split
 from .evaluate import EvalReport, evaluate
+from .files import JsonLines, read_json_lines, remove_partial_files, write_json, write_text
 from .generators import make_agent
 from .models.ad import ADConfig, ADModel, action_loss, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
+from .nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .runtime import TRACKERS, Tracker, check_trackers, maybe_compile, torch_threads
 
 MODEL_KINDS = ("ngram_ad", "ad", "headless_ad")
@@ -150,15 +169,13 @@ class TrainConfig:
     seed: int = 0
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:1, ..."})
     progress: bool = True
+    nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
     # -- speed and tracking (not part of the run's identity: a run may resume with other values) -----
     threads: int = dataclasses.field(
         default=0, metadata={"help": "torch CPU threads (default 0: half the available cores, 1 to 4)"}
     )
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False,
-        metadata={"help": "CUDA only (ignored elsewhere): capture each training step in one CUDA graph and replay it"},
-    )
+    cuda_graph: str = dataclasses.field(default="auto", metadata={"help": CUDA_GRAPH_HELP, "const": "on"})
     track: tuple[str, ...] = dataclasses.field(
         default=(), metadata={"help": f"log loss, lr, steps/s, eval returns to any of {TRACKERS}", "metavar": "NAME"}
     )
@@ -178,19 +195,19 @@ class TrainConfig:
             raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
-        if self.cuda_graph and self.compile:
-            raise ValueError("cuda_graph and compile exclude each other: --compile traces the forward, --cuda-graph "
-                             "records the whole step; choose one")  # fmt: skip
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
+        if self.cuda_graph == "on" and self.compile:
+            raise ValueError(_COMPILE_EXCLUDES_GRAPHS)
         # Everything is checked here, before minutes of data generation, so that a typo fails at once.
         check_training_fields(self)
         for name in ("seq_len", "episode_subsample", "eval_episodes", "eval_envs_per_task", "num_histories",
                      "source_episodes"):  # fmt: skip
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
         for name in ("num_train_tasks", "episode_length", "eval_tasks"):
             if getattr(self, name) is not None:
-                check_int(getattr(self, name), name, low=1)
+                check_int(getattr(self, name), name, min_value=1)
         for name in ("seed", "eval_every"):
-            check_int(getattr(self, name), name, low=0)
+            check_int(getattr(self, name), name, min_value=0)
         if any(n < 1 for n in self.ngram_sizes):
             raise ValueError(f"ngram_sizes must be ints >= 1, got {self.ngram_sizes!r}")
         # The model's own checks, with placeholder environment sizes (the data's are not known yet).
@@ -287,7 +304,9 @@ def run_identity(config: TrainConfig) -> dict:
 
 
 def load_trained(config: TrainConfig, device: str | torch.device = "cpu"):
-    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories."""
+    """The model a finished (or interrupted) run of ``config`` saved, in eval mode, and its training histories
+    (``device``: where the model goes; it must exist on this machine)."""
+    device = check_device(device)
     run_dir = Path(config.out_dir)
     histories = load_histories(config.data if config.data is not None else run_dir / "train.icrl")
     model = config.build_model(histories)
@@ -352,28 +371,33 @@ def make_eval_env_factory(config: TrainConfig):
         num_tasks = config.eval_tasks or grid_task_split(config.env, num_train=config.num_train_tasks)["test"].size
         generate = config.generate_config("test", int(num_tasks) * config.eval_envs_per_task, 1)
         generate.num_tasks = config.eval_tasks
+    # A partial of a module-level function: ``make.args[0]`` tells which environments it builds (batched
+    # evaluation shares the references of runs evaluated on the same ones).
+    return functools.partial(_eval_env, generate)
 
-    def make(seed: int):
-        return build_env(dataclasses.replace(generate, seed=seed))[0]
 
-    return make
+def _eval_env(generate: GenerateConfig, seed: int):
+    return build_env(dataclasses.replace(generate, seed=seed))[0]
 
 
 def run_evaluation(
     model: ADModel | HeadlessADModel, config: TrainConfig, histories: LearningHistories, seed: int
 ) -> EvalReport:
+    return evaluate(model, **evaluation_settings(config, histories), seed=seed, progress=config.progress)
+
+
+def evaluation_settings(config: TrainConfig, histories: LearningHistories) -> dict:
+    """The keyword arguments of :func:`~icrl_models.evaluate.evaluate` that a run's config and training data
+    fix (all but the model, the seed and the progress bar)."""
     source = histories.metadata["generator"]
-    return evaluate(
-        model,
-        make_eval_env_factory(config),
-        num_episodes=config.eval_episodes,
-        source=make_agent(source["name"], **source["config"]),
-        source_episodes=int(histories.metadata["num_episodes"]),
-        episode_subsample=config.episode_subsample,
-        sample=config.sample_actions,
-        seed=seed,
-        progress=config.progress,
-    )
+    return {
+        "make_env": make_eval_env_factory(config),
+        "num_episodes": config.eval_episodes,
+        "source": make_agent(source["name"], **source["config"]),
+        "source_episodes": int(histories.metadata["num_episodes"]),
+        "episode_subsample": config.episode_subsample,
+        "sample": config.sample_actions,
+    }
 
 
 def train(config: TrainConfig) -> dict:
@@ -385,17 +409,25 @@ def train(config: TrainConfig) -> dict:
         return _train(config)
 
 
+_COMPILE_EXCLUDES_GRAPHS = (
+    "cuda_graph and compile exclude each other: --compile traces the forward, --cuda-graph records the whole step; "
+    "choose one"
+)
+
+
 def _train(config: TrainConfig) -> dict:
     ddp = Distributed(config.device)
-    graphed = config.cuda_graph and ddp.device.type == "cuda"
-    if config.cuda_graph and ddp.world_size > 1:
-        raise ValueError("cuda_graph does not support data-parallel runs (torchrun): leave out --cuda-graph")
-    if config.cuda_graph and not graphed and ddp.is_main:
-        print(f"cuda_graph: ignored on {ddp.device} (CUDA only); training eagerly", file=sys.stderr)
+    excluded = None
+    if ddp.world_size > 1:
+        excluded = "cuda_graph does not support data-parallel runs (torchrun): use --cuda-graph off"
+    elif config.compile:
+        excluded = _COMPILE_EXCLUDES_GRAPHS
+    graphed = use_cuda_graph(config.cuda_graph, ddp.device, excluded=excluded)
     run_dir = Path(config.out_dir)
     if ddp.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        remove_partial_files(run_dir)  # of writes a killed run left unfinished
+        write_json(run_dir / "config.json", dataclasses.asdict(config))
     ddp.barrier()
     start_time = time.perf_counter()
     histories = load_or_generate(config, run_dir, ddp)
@@ -411,29 +443,40 @@ def _train(config: TrainConfig) -> dict:
     identity = run_identity(config)
     if checkpoint_path.exists():
         payload = load_checkpoint(checkpoint_path, expect_config=identity)
+        step = payload["step"]
+        if step > config.steps:
+            raise CheckpointError(f"{checkpoint_path}: field 'step' is {step}, past the run's {config.steps} steps")
+        numpy_states = checkpoint_field(payload, checkpoint_path, "rng", "numpy", kind=list)
+        if len(numpy_states) <= ddp.rank:  # one state per process of the run that saved it
+            raise CheckpointError(
+                f"{checkpoint_path}: field ['rng']['numpy'] holds {len(numpy_states)} states, none for rank {ddp.rank}"
+            )
+        try:
+            rng.bit_generator.state = numpy_states[ddp.rank]
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"{checkpoint_path}: field ['rng']['numpy'] is not a numpy PCG64 state") from None
+        torch_state = checkpoint_field(payload, checkpoint_path, "rng", "torch", kind=torch.Tensor)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
-        rng.bit_generator.state = payload["rng"]["numpy"][ddp.rank]
-        torch.set_rng_state(payload["rng"]["torch"])
+        torch.set_rng_state(torch_state)
         if "cuda" in payload["rng"] and ddp.device.type == "cuda":  # Headless-AD's maps, dropout on the GPU
             torch.cuda.set_rng_state(payload["rng"]["cuda"], ddp.device)
-        step = int(payload["step"])
     metrics_path = run_dir / "metrics.jsonl"
     if ddp.is_main:
         # Rows after the checkpoint's step come from a run killed before its next checkpoint: this run
         # redoes those steps, so drop them instead of logging every such step twice.
         _trim_metrics(metrics_path, step)
     ddp.barrier()
-    if step == config.steps:
-        finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
-        if finished:  # nothing left to do: no second evaluation (and no second row)
-            if ddp.is_main:
-                print(f"{run_dir} is already finished ({step} steps): final return "
-                      f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
-            return finished[-1] if ddp.is_main else {}
+    finished = finished_summary(config, step, quiet=not ddp.is_main)
+    if finished is not None:  # nothing left to do: no second evaluation (and no second row)
+        return finished if ddp.is_main else {}
 
     if graphed:  # the learning rate and step counters move to the device, where the graph reads them
         prepare_capturable(optimizer)
+    # Watches every step on the device; read below only where the loop reads the host anyway.
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=step)
+    if checkpoint_path.exists():
+        guard.saved(checkpoint_path, step)
     trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
     trained = maybe_compile(trained, config.compile)
     tracker = (
@@ -443,7 +486,7 @@ def _train(config: TrainConfig) -> dict:
     )  # fmt: skip
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
-    metrics = open(metrics_path, "a") if ddp.is_main else None
+    metrics = JsonLines(metrics_path) if ddp.is_main else None
     show = config.progress and ddp.is_main
     bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
     if ddp.is_main and step == 0:
@@ -453,7 +496,7 @@ def _train(config: TrainConfig) -> dict:
     last_log = (step, time.perf_counter())
     run_step = StepRunner(
         lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
-        cuda_graph=graphed,
+        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
     )  # fmt: skip
     try:
         while step < config.steps:
@@ -462,23 +505,27 @@ def _train(config: TrainConfig) -> dict:
             stats = run_step(_next_batch(windows, rng, config, model, ddp.device))
             step += 1
             bar.update(1)
-            if metrics is not None and (step % config.log_every == 0 or step == config.steps):
-                now = time.perf_counter()
-                loss, grad_norm = stats.tolist()  # the one host read, every log_every steps
-                record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
-                          "steps_per_second": (step - last_log[0]) / (now - last_log[1]),
-                          "seconds": now - start_time}  # fmt: skip
-                last_log = (step, now)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+            log_now = step % config.log_every == 0 or step == config.steps
+            # Every rank (their gradients are all-reduced): raises if the run diverged ("stop"), before a NaN row.
+            skipped = guard.check() if log_now else 0
+            if metrics is not None and log_now:
+                loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
+                record, last_log = metric_row(step, loss, learning_rate, grad_norm, last_log, start_time)
+                if config.nonfinite == "skip":
+                    record["skipped_steps"] = skipped
+                metrics.write(record)
                 tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
                 bar.set_postfix(loss=f"{record['loss']:.3f}")
             if step % config.checkpoint_every == 0 or step == config.steps:
+                guard.check()  # every rank: never a checkpoint of a diverged model over the last good one
+                if metrics is not None:
+                    metrics.sync()  # the rows up to this step are on disk before the checkpoint refers to them
                 _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
+                guard.saved(checkpoint_path, step)
             if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
+                guard.check()
                 report = run_evaluation(model, config, histories, seed=config.seed + 1)
-                metrics.write(json.dumps({"step": step, "eval": report.summary}) + "\n")
-                metrics.flush()
+                metrics.write({"step": step, "eval": report.summary})
                 tracker.log(step, _eval_scalars(report.summary))
                 model.train()
         bar.close()
@@ -486,17 +533,7 @@ def _train(config: TrainConfig) -> dict:
         summary: dict = {}
         if ddp.is_main:
             report = run_evaluation(model, config, histories, seed=config.seed + 1)
-            json_path, png_path = report.save(run_dir, title=f"{config.model} on {config.env}, held-out tasks")
-            summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-            metrics.write(json.dumps({"step": step, "eval": summary}) + "\n")
-            tracker.log(step, _eval_scalars(summary))
-            print(report.table())
-            print(
-                f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
-                f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
-                f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
-                f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
-            )
+            summary = record_evaluation(report, config, step, metrics, tracker, start_time)
     finally:
         if metrics is not None:
             metrics.close()
@@ -508,21 +545,54 @@ def _train(config: TrainConfig) -> dict:
 _TRACKED = ("loss", "lr", "grad_norm", "steps_per_second")
 
 
+def finished_summary(config: TrainConfig, step: int, *, quiet: bool = False) -> dict | None:
+    """The final evaluation summary of a run whose checkpoint is at ``step``, when the run is finished (at
+    ``config.steps``, with its evaluation row in ``metrics.jsonl``), else None; says so on stderr."""
+    if step != config.steps:
+        return None
+    metrics_path = Path(config.out_dir) / "metrics.jsonl"
+    finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
+    if not finished:
+        return None
+    if not quiet:
+        print(f"{config.out_dir} is already finished ({step} steps): final return "
+              f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
+    return finished[-1]
+
+
+def metric_row(step: int, loss: float, learning_rate: float, grad_norm: float, last_log: tuple, start_time: float):
+    """A training row of ``metrics.jsonl`` at ``step`` and the new ``last_log`` ``(step, time)``; steps per
+    second are counted since ``last_log``."""
+    now = time.perf_counter()
+    record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
+              "steps_per_second": (step - last_log[0]) / (now - last_log[1]), "seconds": now - start_time}  # fmt: skip
+    return record, (step, now)
+
+
+def record_evaluation(report: EvalReport, config: TrainConfig, step: int, metrics, tracker, start_time: float) -> dict:
+    """Write a run's final evaluation: ``eval.json`` / ``eval.png``, its ``metrics.jsonl`` row and tracker
+    scalars; print its table and summary line. Returns the summary (with ``wall_seconds``)."""
+    json_path, png_path = report.save(config.out_dir, title=f"{config.model} on {config.env}, held-out tasks")
+    summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
+    metrics.write({"step": step, "eval": summary})
+    tracker.log(step, _eval_scalars(summary))
+    print(report.table())
+    print(
+        f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
+        f"{summary['fraction_of_source']:.2f} of {report.source_name}'s final return "
+        f"({summary['source_final_return']:.2f}), {summary['fraction_of_optimal']:.2f} of optimal; "
+        f"{summary['wall_seconds']:.0f} s in all; {json_path}, {png_path}"
+    )
+    return summary
+
+
 def _eval_scalars(summary: dict) -> dict:
     return {f"eval/{name}": value for name, value in summary.items() if isinstance(value, (int, float))}
 
 
 def _read_metrics(path: Path) -> list[dict]:
     """The rows of ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped."""
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    return read_json_lines(path)
 
 
 def _trim_metrics(path: Path, step: int) -> list[dict]:
@@ -530,9 +600,7 @@ def _trim_metrics(path: Path, step: int) -> list[dict]:
     records = _read_metrics(path)
     kept = [record for record in records if int(record.get("step", 0)) <= step]
     if len(kept) != len(records) or (path.exists() and path.read_text().count("\n") != len(records)):
-        temporary = path.with_suffix(".jsonl.partial")
-        temporary.write_text("".join(json.dumps(record) + "\n" for record in kept))
-        os.replace(temporary, path)
+        write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
     return kept
 
 
@@ -557,19 +625,21 @@ def train_step(
     """
     optimizer.zero_grad(set_to_none=True)
     with autocast:
-        loss = _loss(model, trained, local_action_batch(batch), config)
+        loss = run_loss(model, trained, local_action_batch(batch), config.label_smoothing)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
     return torch.stack([loss.detach().float(), grad_norm.float()])
 
 
-def _loss(model, trained, batch, config: TrainConfig) -> torch.Tensor:
+def run_loss(model, trained, batch, label_smoothing: float | torch.Tensor) -> torch.Tensor:
+    """A run's training loss on a :func:`local_action_batch` batch; ``trained`` is the module whose forward runs
+    (``model`` or its DDP / compiled wrapper). Batched runs call it under ``vmap`` with a per-run smoothing."""
     # Call the (possibly DDP-wrapped) module itself: DDP synchronises gradients through its forward.
     if isinstance(model, HeadlessADModel):
         return model.loss(batch, trained=trained, action_map=batch["action_map"])
     logits = trained(batch["states"], batch["local_prev_actions"], batch["prev_rewards"])
-    return action_loss(logits, {**batch, "actions": batch["local_actions"]}, config.label_smoothing)
+    return action_loss(logits, {**batch, "actions": batch["local_actions"]}, label_smoothing)
 
 
 def _cuda_rng_state(model) -> dict:
@@ -587,17 +657,18 @@ def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -
     else:
         states = [rng.bit_generator.state]
     if ddp.is_main:
-        save_checkpoint(
-            {
-                "version": CHECKPOINT_VERSION,
-                "step": step,
-                "config": identity,
-                "model": model.state_dict(),
-                "optimizer": eager_optimizer_state(optimizer),
-                "rng": {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)},
-            },
-            path,
-        )
+        rng_states = {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)}
+        write_checkpoint(path, step, identity, model.state_dict(), eager_optimizer_state(optimizer), rng_states)
+
+
+def write_checkpoint(path, step: int, identity: dict, model_state: dict, optimizer_state: dict, rng: dict) -> None:
+    """A run's ``checkpoint.pt``: its model's ``state_dict``, its AdamW's (as a non-capturable optimiser saves
+    it), its random states (``{"numpy": [per rank], "torch": CPU state, "cuda": ...}``) and its identity."""
+    save_checkpoint(
+        {"version": CHECKPOINT_VERSION, "step": step, "config": identity, "model": model_state,
+         "optimizer": optimizer_state, "rng": rng},
+        path,
+    )  # fmt: skip
 
 
 @command_line("icrl-train")

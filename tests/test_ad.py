@@ -281,8 +281,10 @@ def test_compare_command_end_to_end(tmp_path, capsys):
     argv += ["--scheduler", "local"]
     assert main(argv) == 0
     result = json.loads((tmp_path / "compare.json").read_text())
-    assert len(result["scores"]["ad"]) == len(result["scores"]["ngram_ad"]) == 2
-    assert len(result["expected_max_performance"]["ngram_ad"]) == 2
+    (setting,) = result["settings"]
+    assert sorted(r["model"] for r in result["trials"]) == ["ad", "ad", "ngram_ad", "ngram_ad"]
+    assert all(r["score"] is not None for r in result["trials"])
+    assert len(setting["expected_max_performance"]["ngram_ad"]["mean"]) == 2
     assert (tmp_path / "compare.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 2 |" in capsys.readouterr().out
     assert result["command"] == "icrl-compare " + " ".join(argv) and result["machine"]

@@ -10,7 +10,7 @@ element that a config's tiling never writes fails.
 On CUDA the shape is benchmark-sized with ragged edges (no dimension a multiple of every tile). Under
 ``TRITON_INTERPRET=1`` the same tests run on the CPU at a tiny shape (one or a few programs a launch):
 the CPU rehearsal of the GPU "configs" stage. The kernels come from
-:func:`icrl_kernels._triton.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
+:func:`benchmarks.kernel_tools.autotuned_kernels`; a new autotuned kernel needs an entry in ``CHECKS``
 (``test_every_autotuned_kernel_has_a_check`` fails until it has one).
 """
 
@@ -23,6 +23,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from benchmarks.kernel_tools import autotuned_kernels  # noqa: E402
 from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel modules need triton)
     gated_attention,
     gated_attention_reference,
@@ -32,7 +33,7 @@ from icrl_kernels import (  # noqa: E402  (after the importorskip: the kernel mo
     ngram_attention_reference,
     select_actions,
 )
-from icrl_kernels._triton import autotune_configs, autotuned_kernels, config_name, kernel_name  # noqa: E402
+from icrl_kernels._triton import autotune_configs, config_name, kernel_name  # noqa: E402
 from icrl_kernels.contrastive import action_logits_reference  # noqa: E402
 from icrl_kernels.testing import (  # noqa: E402
     RMS_TOLERANCE,
@@ -78,13 +79,14 @@ def check_ngram(algorithm: str, device: str, dtype: torch.dtype) -> None:
     assert_close_rel(grad, grad_ref, rms_tol=RMS_TOLERANCE[dtype], name="grad_h")
 
 
-def _contrastive_inputs(device: str, dtype: torch.dtype):
+def _contrastive_inputs(device: str, dtype: torch.dtype, actions: int | None = None):
     """``pred [B, T, D]``, one shared map ``[A, D]``, a ``[B, T, A]`` mask and targets among the available
     actions; logits of standard deviation about 2 (peaked, not one-hot)."""
     tiny = device == "cpu"
     # Tiny: A = 150 is 10 FMA action tiles or 2 tensor-core ones, D = 40 two BLOCK_D chunks of 32.
     # CUDA: N = 800 rows, D = 512 (one grad_pred block of all 512 columns), A = 1000 (ragged action tiles).
-    batch, steps, dim, actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
+    batch, steps, dim, default_actions = (2, 5, 40, 150) if tiny else (4, 200, 512, 1000)
+    actions = actions or default_actions
     gen = _generator(dim + actions)
     pred = torch.randn(batch, steps, dim, generator=gen)
     embeds = torch.randn(actions, dim, generator=gen) * (2.0 / math.sqrt(dim))
@@ -93,10 +95,10 @@ def _contrastive_inputs(device: str, dtype: torch.dtype):
     return pred.to(device, dtype), embeds.to(device, dtype), mask.to(device), targets.to(device)
 
 
-def check_infonce(device: str, dtype: torch.dtype) -> None:
+def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None) -> None:
     """``infonce_loss(backend="triton")`` and both gradients against the fp32 reference on the same inputs,
     with and without a mask (``HAS_MASK`` compiles two variants of every kernel)."""
-    pred, embeds, mask, targets = _contrastive_inputs(device, dtype)
+    pred, embeds, mask, targets = _contrastive_inputs(device, dtype, actions)
     for masked in (False, True):
         kwargs = {"mask": mask if masked else None, "tau": 0.7, "reduction": "none"}
         leaves = (pred.detach().clone().requires_grad_(True), embeds.detach().clone().requires_grad_(True))
@@ -136,7 +138,7 @@ def check_select(device: str, dtype: torch.dtype) -> None:
 def check_gated_attention(device: str, dtype: torch.dtype) -> None:
     """``gated_attention(backend="triton")`` and every gradient against the reference: softmax gate with
     smeared keys, and the linear gate (whose dq pass also recomputes ``P V``). bf16 tolerance as in
-    tests/test_gated_attention.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
+    tests/test_attention_kernels.py (P and dS are rounded to bf16 for the tensor-core dots). fp32 inputs launch
     their own fixed tile (``FP32_TILES``) whatever config is forced: the configs are exercised in bf16."""
     tiny = device == "cpu"
     # Tiny: L = 70 is one 128-row, two 64-row or three 32-row blocks (ragged); Dh = 24 pads to 32. CUDA: L = 1000.
@@ -167,6 +169,27 @@ def check_gated_attention(device: str, dtype: torch.dtype) -> None:
             assert_close_rel(actual, expected, rms_tol=tol, name=f"{gate} {name}")
 
 
+def forced(algorithm: str, check):
+    """``check`` under the InfoNCE / selection ``algorithm`` (``contrastive/algorithms.py``); chunked ones in
+    chunks of 4 rows (and 64 actions) under the interpreter, so that several chunks run, of 256 rows on CUDA."""
+
+    def run(device: str, dtype: torch.dtype) -> None:
+        from icrl_kernels.contrastive.algorithms import forced_algorithm
+
+        rows = 4 if device == "cpu" else 256
+        with forced_algorithm(algorithm, chunk_bytes=4 * rows * 64, action_chunk=64):
+            check(device, dtype)
+
+    return run
+
+
+def _chunked(check):
+    """``check`` with row chunks and with action chunks."""
+    return lambda device, dtype: [forced(algorithm, check)(device, dtype) for algorithm in CHUNKED_ALGORITHMS]
+
+
+CHUNKED_ALGORITHMS = ("row-chunks", "action-chunks")
+
 #: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
 CHECKS = {
     "ngram_forward": lambda device, dtype: check_ngram("sort", device, dtype),
@@ -177,6 +200,9 @@ CHECKS = {
     "infonce_grad_pred": check_infonce,
     "infonce_grad_embeds": check_infonce,
     "select_actions": check_select,
+    "infonce_small": forced("small", lambda device, dtype: check_infonce(device, dtype, actions=100)),
+    "infonce_chunk": _chunked(check_infonce),
+    "select_chunk": _chunked(check_select),
     "gated_attention_forward": check_gated_attention,
     "gated_attention_backward_dkdv": check_gated_attention,
     "gated_attention_backward_dq": check_gated_attention,
@@ -196,6 +222,7 @@ def test_every_autotuned_kernel_has_a_check():
     assert len(set(ids)) == len(ids), f"two configs of one kernel share an id: {sorted(ids)}"
 
 
+@pytest.mark.slow  # every autotune config of every kernel (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("name,config", CONFIGS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
@@ -204,6 +231,7 @@ def test_config_matches_reference(device, dtype, name, config):
         CHECKS[name](device, dtype)
 
 
+@pytest.mark.slow  # every selection config (docs/testing.md#test-tiers)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("device", triton_devices())
 def test_sampling_does_not_depend_on_the_config(device, dtype):

@@ -1,4 +1,4 @@
-"""Bad input to every public op and module of ``icrl_kernels`` (the n-gram functions: test_bad_input_ngram.py).
+"""Bad input to every public op and module of ``icrl_kernels`` (the n-gram functions: test_ngram_bad_input.py).
 
 Data-driven: ``ERROR_CASES`` lists calls that must raise ``ValueError``/``TypeError`` whose message names
 the argument at fault; ``EQUAL_CASES`` lists odd-but-legal inputs (NaN, empty, huge stride-0 views)
@@ -21,11 +21,12 @@ from icrl_kernels._backend import triton_runs_on
 from icrl_kernels.contrastive import action_logits_reference
 from icrl_kernels.modules import GPT2Block
 
-NGRAM_FILE = Path(__file__).with_name("test_bad_input_ngram.py")
+NGRAM_FILE = Path(__file__).with_name("test_ngram_bad_input.py")
 #: Swept by helper A's n-gram file.
 NGRAM_NAMES = {
     "ngram_attention",
     "ngram_attention_reference",
+    "ngram_match_matrix",
     "ngram_plan",
     "NGramPlan",
     "NGramDecodeState",
@@ -78,6 +79,8 @@ ERROR_CASES: list[Case] = [
     # backend resolution and value-check modes
     Case("resolve_backend", "backend unknown", lambda: K.resolve_backend("cuda", torch.device("cpu"))),
     Case("resolve_backend", "backend not a str", lambda: K.resolve_backend(1, torch.device("cpu"))),
+    Case("resolve_backend", "device unknown", lambda: K.resolve_backend("auto", "gpu")),
+    Case("resolve_backend", "device a list", lambda: K.resolve_backend("auto", ["cpu"]), TypeError),
     Case("set_value_checks", "mode unknown", lambda: K.set_value_checks("loud")),
     Case("set_value_checks", "mode not a str", lambda: K.set_value_checks(None)),
     # infonce_loss
@@ -171,6 +174,15 @@ ERROR_CASES: list[Case] = [
     Case("orthonormal_embeddings", "generator an int", lambda: K.orthonormal_embeddings(3, 4, generator=42), TypeError),
     Case("orthonormal_embeddings", "device unknown", lambda: K.orthonormal_embeddings(3, 4, device="gpu0")),
     Case("orthonormal_embeddings", "device a float", lambda: K.orthonormal_embeddings(3, 4, device=1.5), TypeError),
+    Case(
+        "orthonormal_embeddings",
+        "device cuda where there is none",
+        lambda: K.orthonormal_embeddings(3, 4, device="cuda:7"),
+        names=r"device 'cuda:7' (asked for CUDA|does not exist)",
+    ),
+    Case(
+        "ActionMap", "device unknown (regenerate)", lambda: K.ActionMap(3, 8).regenerate(device="gpu"), names="device"
+    ),
     Case("orthonormal_embeddings", "strict a str", lambda: K.orthonormal_embeddings(3, 4, strict="yes"), TypeError),
     Case("orthonormal_embeddings", "num_actions > dim (strict)", lambda: K.orthonormal_embeddings(5, 4, strict=True)),
     # mixture_of_heads
@@ -658,6 +670,27 @@ REFERENCE_CASES: list[Case] = [
     ),
     Case(
         "select_actions_reference",
+        "pred NaN",
+        lambda: K.select_actions_reference(torch.full((2, 8), NAN), f32(3, 8), mask=torch.tensor([False, True, True])),
+    ),
+    Case(
+        "select_actions_reference",
+        "action_embeds NaN (argmax)",
+        lambda: K.select_actions_reference(f32(2, 8), torch.full((3, 8), NAN)),
+    ),
+    Case(
+        "select_actions",
+        "pred NaN (reference backend, masked)",
+        lambda: K.select_actions(
+            torch.full((2, 8), NAN),
+            f32(3, 8),
+            mode="argmax",
+            mask=torch.tensor([False, True, True]),
+            backend="reference",
+        ),
+    ),
+    Case(
+        "select_actions_reference",
         "gumbel shape",
         lambda: K.select_actions_reference(f32(2, 8), f32(3, 8), gumbel=f32(2, 4)),
     ),
@@ -1048,7 +1081,7 @@ def test_every_public_name_is_swept():
 
 def test_ngram_names_are_swept_in_the_ngram_file():
     if not NGRAM_FILE.exists():
-        pytest.skip("tests/test_bad_input_ngram.py (helper A) is not in the tree yet")
+        pytest.skip("tests/test_ngram_bad_input.py (helper A) is not in the tree yet")
     text = NGRAM_FILE.read_text()
     absent = sorted(name for name in NGRAM_NAMES if name not in text)
     assert not absent, f"{NGRAM_FILE.name} has no cases for {absent}"

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import io
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from icrl_models.checkpoint import (
     MAGIC,
     CheckpointError,
     UncheckedCheckpointWarning,
+    checkpoint_field,
     load_checkpoint,
     save_checkpoint,
 )
@@ -173,6 +175,42 @@ def test_checkpoint_config_must_be_a_dict(tmp_path, config):
         save_checkpoint(payload, tmp_path / "other.pt")
 
 
+@pytest.mark.parametrize(
+    "field,value,named",
+    [
+        ("step", "3", "field 'step'"),
+        ("step", -1, "field 'step'"),
+        ("step", 3.0, "field 'step'"),
+        ("step", True, "field 'step'"),
+        ("model", [1, 2], "field 'model'"),
+        ("model", {"weight": [1.0]}, "field 'model'"),
+        ("optimizer", None, "field 'optimizer'"),
+        ("rng", [1], "field 'rng'"),
+    ],
+)
+def test_checkpoint_field_of_the_wrong_kind_is_named(tmp_path, field, value, named):
+    """A checkpoint with a valid digest whose standard fields have the wrong kinds: CheckpointError naming
+    the field at load time, not a raw error once a trainer uses it."""
+    payload = _payload()
+    payload[field] = value
+    path = tmp_path / "ckpt.pt"
+    _write_with_digest(payload, path)
+    with pytest.raises(CheckpointError, match=re.escape(f"ckpt.pt: {named}")):
+        load_checkpoint(path)
+
+
+def test_checkpoint_field_helper_names_nested_fields(tmp_path):
+    path = save_checkpoint(_payload(), tmp_path / "ckpt.pt")
+    payload = load_checkpoint(path)
+    assert checkpoint_field(payload, path, "rng", "numpy", kind=list) == []
+    with pytest.raises(CheckpointError, match=re.escape("field ['rng']['cuda'] is missing")):
+        checkpoint_field(payload, path, "rng", "cuda")
+    with pytest.raises(CheckpointError, match=re.escape("field ['rng']['torch'] has type Tensor")):
+        checkpoint_field(payload, path, "rng", "torch", kind=list)
+    with pytest.raises(CheckpointError, match=re.escape("field ['step']['x'] is missing")):
+        checkpoint_field(payload, path, "step", "x")
+
+
 def test_checkpoint_payload_not_a_dict(tmp_path):
     path = tmp_path / "ckpt.pt"
     _write_with_digest([1, 2, 3], path)
@@ -294,6 +332,71 @@ def test_get_batch_accepts_integer_indices_of_every_kind(small_histories):
     assert windows.get_batch([])["actions"].shape == (0, 4)
 
 
+@pytest.mark.parametrize(
+    "indices,error,message",
+    [
+        ([5], ValueError, r"indices must lie in \[0, 3\)"),
+        ([-1], ValueError, r"indices must lie in \[0, 3\)"),
+        ([0.5], TypeError, "indices must hold integers"),
+        ([True, False, True], TypeError, "indices must hold integers"),
+        ([[0, 1]], ValueError, "indices must be 1-D"),
+    ],
+)
+def test_histories_subset_checks_its_indices(small_histories, indices, error, message):
+    with pytest.raises(error, match=message):
+        small_histories.subset(indices)
+
+
+def test_trajectory_windows_check_their_starts(small_histories):
+    from icrl_models.models.dt_moa import TrajectoryWindows
+
+    windows = TrajectoryWindows(small_histories, 4)
+    assert windows.get_batch([0, len(windows) - 1])["states"].shape == (2, 4)
+    with pytest.raises(ValueError, match=rf"starts must lie in \[0, {len(windows)}\)"):
+        windows.get_batch([len(windows)])
+    with pytest.raises(TypeError, match="starts must hold integers"):
+        windows.get_batch([1.5])
+    with pytest.raises(ValueError, match="starts must be 1-D"):
+        windows.get_batch([[0]])
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda device: sample_prompts(FunctionClassConfig("linear_regression", 4), 2, 3, device=device),
+        lambda device: __import__("icrl_models.analysis.induction", fromlist=["x"]).uniform_causal_pattern(
+            2, 3, device=device
+        ),
+        lambda device: __import__("icrl_models.experiments.harness", fromlist=["x"]).machine_description(device),
+        lambda device: __import__("icrl_models.train", fromlist=["x"]).load_trained(TrainConfig(), device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).to_device({"x": torch.ones(2)}, device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).pinned({"x": torch.ones(2)}, device),
+        lambda device: __import__("icrl_models.cuda_graphs", fromlist=["x"]).StepRunner(
+            lambda batch: batch["x"].sum(), torch.nn.Linear(2, 2), None, device
+        ),
+    ],
+    ids=[
+        "sample_prompts",
+        "uniform_causal_pattern",
+        "machine_description",
+        "load_trained",
+        "to_device",
+        "pinned",
+        "StepRunner",
+    ],  # fmt: skip
+)
+def test_device_arguments_are_checked_and_named(call):
+    """Every public icrl_models function that takes a device checks it first: a misspelt name, another
+    type, or CUDA where there is none, instead of torch's raw list of device types or an AssertionError."""
+    with pytest.raises(ValueError, match="device must name a device such as 'cpu'"):
+        call("gpu")
+    with pytest.raises(TypeError, match="device must be a torch.device, str or int"):
+        call(1.5)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda' asked for CUDA, but CUDA is not available"):
+            call("cuda")
+
+
 def test_window_item_rejects_float_index(small_histories):
     windows = HistoryWindows(small_histories, 4)
     with pytest.raises(TypeError, match="index must be an int"):
@@ -351,7 +454,7 @@ def test_file_header_with_wrong_field_types(small_histories, tmp_path):
         load_histories(path)
     path = save_histories(small_histories, tmp_path / "g.icrl")
     _rewrite_header(path, lambda h: h.__setitem__("metadata", ["not", "a", "dict"]))
-    with pytest.raises(DatasetError, match="g.icrl: metadata must be a dict"):
+    with pytest.raises(DatasetError, match=r"g.icrl: header field .metadata. must be a dict"):
         load_histories(path)
 
 

@@ -26,11 +26,29 @@ import math
 import re
 import warnings
 import zlib
-from typing import NamedTuple
 
 import pytest
 import torch
+from _contrastive import (
+    CASES,
+    IGNORE,
+    PARITY_CASES,
+    Case,
+    Inputs,
+    assert_argmax_equal,
+    check_all_rows_ignored,
+    check_fp16_gradients,
+    check_ignore_index_values,
+    check_infonce_parity,
+    check_select_nan,
+    check_select_overflow,
+    check_single_available_action,
+    expand_mask,
+    make_inputs,
+    random_mask,
+)
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels.contrastive import (
     OvercompleteEmbeddingWarning,
     action_logits_reference,
@@ -47,9 +65,7 @@ from icrl_kernels.testing import (
     RMS_TOLERANCE,
     TESTED_DTYPES,
     assert_close_rel,
-    check_offline_reports,
     relative_rms_error,
-    run_offline_compile,
     triton_devices,
 )
 
@@ -59,136 +75,12 @@ FAST_PATHS = [pytest.param("eager", "cpu", id="eager")] + [
 ]
 ALL_PATHS = FAST_PATHS + [pytest.param("reference", "cpu", id="reference")]
 DTYPES = list(TESTED_DTYPES)
-IGNORE = -100
 
 
 # --- input builders --------------------------------------------------------------------------------
 
 
-class Case(NamedTuple):
-    """One InfoNCE problem: ``pred_shape`` is ``[N, D]``, ``[B, T, D]`` or (per-sequence) ``[B, D]``."""
-
-    name: str
-    pred_shape: tuple[int, ...]
-    num_actions: int
-    per_sequence: bool
-    mask: str | None  # None, "A" ([A]), "BA" ([B, A]) or "full" (pred.shape[:-1] + (A,))
-    ignore: float  # fraction of rows whose target is ignore_index
-    tau: float
-    reduction: str
-
-
-class Inputs(NamedTuple):
-    pred: torch.Tensor
-    embeds: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor | None
-
-
-def random_mask(shape: tuple[int, ...], generator: torch.Generator, keep: float = 0.6) -> torch.Tensor:
-    """Random availability with at least one available action per row (the op rejects empty rows)."""
-    mask = torch.rand(shape, generator=generator) < keep
-    flat = mask.reshape(-1, shape[-1])
-    flat[torch.arange(flat.shape[0]), torch.randint(0, shape[-1], (flat.shape[0],), generator=generator)] = True
-    return flat.reshape(shape)
-
-
-def expand_mask(mask: torch.Tensor | None, logits_shape: tuple[int, ...]) -> torch.Tensor:
-    """A mask in any accepted layout, broadcast to the full ``logits_shape`` (as the reference aligns it)."""
-    if mask is None:
-        return torch.ones(logits_shape, dtype=torch.bool)
-    if mask.dim() == 2 and len(logits_shape) == 3:
-        mask = mask[:, None, :]
-    return mask.expand(logits_shape)
-
-
-def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int, ignore_index: int = IGNORE) -> Inputs:
-    """Fresh random inputs; logits have a standard deviation of about 2 / tau (peaked but not one-hot).
-
-    Targets are drawn among each row's available actions; a fraction ``case.ignore`` is then padding.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    *lead, dim = case.pred_shape
-    num_actions = case.num_actions
-    pred = torch.randn(*lead, dim, generator=gen)
-    embeds_shape = (lead[0], num_actions, dim) if case.per_sequence else (num_actions, dim)
-    embeds = torch.randn(embeds_shape, generator=gen) * (2.0 / math.sqrt(dim))
-    logits_shape = (*lead, num_actions)
-    mask = {
-        None: lambda: None,
-        "A": lambda: random_mask((num_actions,), gen),
-        "BA": lambda: random_mask((lead[0], num_actions), gen),
-        "full": lambda: random_mask(logits_shape, gen),
-    }[case.mask]()
-    available = expand_mask(mask, logits_shape).reshape(-1, num_actions).float()
-    targets = torch.multinomial(available, 1, generator=gen).reshape(lead)
-    if case.ignore > 0:
-        targets[torch.rand(lead, generator=gen) < case.ignore] = ignore_index
-    pred, embeds = pred.to(device=device, dtype=dtype), embeds.to(device=device, dtype=dtype)
-    return Inputs(pred, embeds, targets.to(device), None if mask is None else mask.to(device))
-
-
-def check_infonce_parity(
-    inputs: Inputs,
-    backend: str,
-    *,
-    tau: float,
-    reduction: str,
-    ignore_index: int = IGNORE,
-    embeds_grad: bool = True,
-    seed: int = 0,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Loss and gradients of ``backend`` against the fp32 reference on the same (upcast) inputs."""
-    dtype = inputs.pred.dtype
-    pred = inputs.pred.detach().clone().requires_grad_(True)
-    embeds = inputs.embeds.detach().clone().requires_grad_(embeds_grad)
-    pred_ref = inputs.pred.detach().float().requires_grad_(True)
-    embeds_ref = inputs.embeds.detach().float().requires_grad_(True)
-    kwargs = {"tau": tau, "mask": inputs.mask, "reduction": reduction, "ignore_index": ignore_index}
-    loss = infonce_loss(pred, embeds, inputs.targets, backend=backend, **kwargs)
-    expected = infonce_loss_reference(pred_ref, embeds_ref, inputs.targets, **kwargs)
-    assert loss.dtype == torch.float32, "the loss is float32 whatever the input dtype"
-    assert loss.shape == expected.shape
-    # The tolerance is the one of the *input* dtype (the loss is always float32). float64 inputs are
-    # computed in fp32 by every path, the reference included, so they get the fp32 tolerance.
-    tol = RMS_TOLERANCE[torch.float32 if dtype == torch.float64 else dtype]
-    assert_close_rel(loss, expected, rms_tol=tol, name=f"{backend} loss")
-    if reduction == "none":
-        ignored = inputs.targets == ignore_index
-        assert torch.equal(loss.detach()[ignored], torch.zeros_like(loss.detach()[ignored])), "ignored rows are 0"
-
-    gen = torch.Generator().manual_seed(seed + 1)
-    # Random positive upstream weights, so every row's gradient is scaled differently.
-    grad_out = (torch.rand(expected.shape, generator=gen) + 0.5).to(loss.device)
-    leaves = (pred, embeds) if embeds_grad else (pred,)
-    grads = torch.autograd.grad(loss, leaves, grad_out)
-    grads_ref = torch.autograd.grad(expected, (pred_ref, embeds_ref), grad_out)
-    for name, grad, grad_ref in zip(("grad_pred", "grad_embeds"), grads, grads_ref):
-        assert grad.dtype == dtype, f"{name} must have the input dtype"
-        assert_close_rel(grad, grad_ref, rms_tol=tol, name=f"{backend} {name}")
-    return loss, grads
-
-
 # --- InfoNCE parity ----------------------------------------------------------------------------------
-
-PARITY_CASES = [
-    Case("A1-single-action", (13, 24), 1, False, None, 0.0, 1.0, "mean"),
-    Case("A5-maskA-tau0.5", (37, 24), 5, False, "A", 0.0, 0.5, "sum"),
-    Case("A7-BTD-fullmask-ignore", (3, 11, 40), 7, False, "full", 0.2, 1.0, "none"),
-    Case("A7-BTD-maskBA-tau1.7", (2, 9, 24), 7, False, "BA", 0.1, 1.7, "mean"),
-    Case("perseq-BD-A5-mask", (4, 24), 5, True, "BA", 0.0, 1.0, "none"),  # [B, A] is the full mask here
-    Case("perseq-BTD-A7-maskBA", (3, 10, 40), 7, True, "BA", 0.1, 2.0, "mean"),
-    # Two action tiles (128 + 22), D = 72 spans three BLOCK_D chunks, masked actions in both tiles.
-    Case("A150-D72-maskA", (45, 72), 150, False, "A", 0.0, 0.7, "mean"),
-    Case("A300-BTD-shared", (2, 5, 40), 300, False, None, 0.0, 1.0, "sum"),
-    Case("perseq-A300-fullmask", (2, 9, 40), 300, True, "full", 0.2, 1.3, "none"),
-    # D = 260: one full-width (next_pow2 = 512) accumulator, ragged columns.
-    Case("D260-full-width", (21, 260), 9, False, None, 0.0, 1.0, "none"),
-    # D = 520 > MAX_DO = 512 of the first config: the backward's column-block fallback (two blocks), with
-    # streamed actions (two half tiles, ten fp32 ones) and a padded [A] mask.
-    Case("D520-column-fallback", (11, 520), 150, False, "A", 0.1, 0.8, "mean"),
-]
-CASES = {case.name: case for case in PARITY_CASES}
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -357,20 +249,7 @@ def test_eager_chunking(monkeypatch, case: Case, chunk_elements, branch):
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["shared", "perseq"])
 def test_single_available_action_is_zero_loss_and_gradient(backend, device, per_sequence):
     """With one available action the softmax is 1 on the target: loss and both gradients exactly 0."""
-    gen = torch.Generator().manual_seed(5)
-    for num_actions, mask_kind in ((1, None), (7, "one-per-row")):
-        pred = torch.randn(3, 11, 24, generator=gen).to(device).requires_grad_(True)
-        shape = (3, num_actions, 24) if per_sequence else (num_actions, 24)
-        embeds = torch.randn(shape, generator=gen).to(device).requires_grad_(True)
-        targets = torch.randint(0, num_actions, (3, 11), generator=gen).to(device)
-        mask = None
-        if mask_kind:
-            mask = torch.nn.functional.one_hot(targets, num_actions).bool()
-        loss = infonce_loss(pred, embeds, targets, mask=mask, reduction="none", backend=backend)
-        assert torch.equal(loss.detach(), torch.zeros_like(loss)), loss
-        grad_pred, grad_embeds = torch.autograd.grad(loss.sum(), (pred, embeds))
-        assert torch.equal(grad_pred, torch.zeros_like(grad_pred))
-        assert torch.equal(grad_embeds, torch.zeros_like(grad_embeds))
+    check_single_available_action(backend, device, per_sequence)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -455,27 +334,14 @@ def test_large_logits_stay_finite(backend, device, dtype):
 @pytest.mark.parametrize("ignore_index", [-1, 2, 5, 1000])
 def test_ignore_index_values(backend, device, ignore_index):
     """``ignore_index`` may be any int: negative, a valid action id, or an id past the action set."""
-    # A full mask: with ignore_index = 2, padded rows may "target" an action their mask excludes.
-    case = Case("ignore", (4, 9, 24), 5, False, "full", 0.3, 1.2, "none")
-    inputs = make_inputs(case, torch.float32, device, seed=9, ignore_index=ignore_index)
-    assert (inputs.targets == ignore_index).any()
-    for reduction in ("none", "mean"):
-        check_infonce_parity(inputs, backend, tau=case.tau, reduction=reduction, ignore_index=ignore_index)
+    check_ignore_index_values(backend, device, ignore_index)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 def test_all_rows_ignored(backend, device):
-    """Every row padding: the sum is 0 with zero gradients; the mean is NaN (0 / 0), as in the reference."""
-    gen = torch.Generator().manual_seed(10)
-    pred = torch.randn(2, 5, 16, generator=gen).to(device).requires_grad_(True)
-    embeds = torch.randn(7, 16, generator=gen).to(device).requires_grad_(True)
-    targets = torch.full((2, 5), IGNORE, device=device)
-    total = infonce_loss(pred, embeds, targets, reduction="sum", backend=backend)
-    assert total.item() == 0.0
-    grad_pred, grad_embeds = torch.autograd.grad(total, (pred, embeds))
-    assert not grad_pred.any() and not grad_embeds.any()
-    mean = infonce_loss(pred, embeds, targets, backend=backend)
-    assert torch.isnan(mean) and torch.isnan(infonce_loss_reference(pred, embeds, targets))
+    """Every row padding: the sum is 0 with zero gradients; the mean is NaN (0 / 0), as in the reference, and
+    its gradients are zero too (the reference's are: ignored rows take no share of the inf upstream)."""
+    check_all_rows_ignored(backend, device)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -616,31 +482,12 @@ SELECT_CASES = [
 ]
 
 
-def _assert_argmax_equal(actions, pred, embeds, tau, mask, *, gap: float) -> None:
-    """Exact equality with the reference argmax, except rows whose top two logits are within ``gap``
-    (two implementations may round a near-tie differently; then either of the two is right)."""
-    expected = select_actions_reference(pred, embeds, tau=tau, mask=mask)
-    assert actions.shape == expected.shape and actions.dtype == torch.int64
-    logits = action_logits_reference(pred, embeds, tau=tau, mask=mask)
-    top2 = logits.topk(min(2, logits.shape[-1]), dim=-1)
-    if logits.shape[-1] > 1:
-        near_tie = (top2.values[..., 0] - top2.values[..., 1]) < gap
-        alternative = torch.where(near_tie, top2.indices[..., 1], expected)
-    else:
-        near_tie, alternative = torch.zeros_like(expected, dtype=torch.bool), expected
-    ok = (actions == expected) | (actions == alternative)
-    assert ok.all(), f"{int((~ok).sum())} rows differ from the reference argmax"
-    assert near_tie.float().mean() < 0.05, "too many near-ties: the test would be vacuous"
-    picked_available = expand_mask(None if mask is None else mask.cpu(), tuple(logits.shape)).to(logits.device)
-    assert picked_available.gather(-1, actions[..., None]).all(), "picked an unavailable action"
-
-
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
 @pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: c.name)
 def test_argmax_matches_reference(case: Case, backend, device):
     inputs = make_inputs(case, torch.float32, device, seed=zlib.crc32(case.name.encode()))
     actions = select_actions(inputs.pred, inputs.embeds, mode="argmax", tau=case.tau, mask=inputs.mask, backend=backend)
-    _assert_argmax_equal(actions, inputs.pred, inputs.embeds, case.tau, inputs.mask, gap=1e-5)
+    assert_argmax_equal(actions, inputs.pred, inputs.embeds, case.tau, inputs.mask, gap=1e-5)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -649,7 +496,7 @@ def test_argmax_half_precision(backend, device, dtype):
     """Half inputs: the argmax of the fp32 logits of the (upcast) half inputs, up to near-ties."""
     inputs = make_inputs(SELECT_CASES[2], dtype, device, seed=3)
     actions = select_actions(inputs.pred, inputs.embeds, mode="argmax", mask=inputs.mask, backend=backend)
-    _assert_argmax_equal(actions, inputs.pred, inputs.embeds, 1.0, inputs.mask, gap=1e-2)
+    assert_argmax_equal(actions, inputs.pred, inputs.embeds, 1.0, inputs.mask, gap=1e-2)
 
 
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
@@ -1258,13 +1105,16 @@ def _fp16_precision_problem(device: str):
 
 
 def _large_tiles():
-    """Force the 64/128-row configs of the InfoNCE kernels (fewer, larger programs: the interpreter's cost
-    is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's logits."""
+    """Force the fused algorithm and the 64/128-row configs of its kernels (fewer, larger programs: the
+    interpreter's cost is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's
+    logits (test_contrastive_algorithms.py checks the other algorithms)."""
     from icrl_kernels._triton import autotune_configs
     from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
     from icrl_kernels.testing import forced_config
 
     stack = contextlib.ExitStack()
+    stack.enter_context(forced_algorithm(FUSED))
     for kernel, rows in ((kernels._infonce_forward_kernel, 128), (kernels._infonce_grad_pred_kernel, 64),
                          (kernels._infonce_grad_embeds_kernel, 64)):  # fmt: skip
         config = next(c for c in autotune_configs(kernel) if c.kwargs["BLOCK_N"] == rows and c.kwargs["BLOCK_D"] == 64)
@@ -1280,20 +1130,10 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
     fp16 for the dot (the old kernels) fails: the check at the end shows this test would catch it."""
     pred, embeds, targets, weights = _fp16_precision_problem(device)
     tau = 0.7
-
-    def grads(fn, dtype):
-        p, e = pred.detach().to(dtype).requires_grad_(True), embeds.detach().to(dtype).requires_grad_(True)
-        loss = fn(p, e, targets, tau=tau, reduction="none")
-        return torch.autograd.grad(loss, (p, e), weights.to(loss.dtype))
-
-    with _large_tiles() if backend == "triton" else contextlib.nullcontext():
-        ours = grads(functools.partial(infonce_loss, backend=backend), torch.float16)
-    fp32 = grads(infonce_loss_reference, torch.float32)
-    truth = grads(infonce_loss_reference, torch.float64)
-    for name, out, ref32, ref64 in zip(("grad_pred", "grad_embeds"), ours, fp32, truth):
-        assert out.dtype == torch.float16
-        error, rounded_error = relative_rms_error(out, ref64), relative_rms_error(ref32.half(), ref64)
-        assert error <= 1.05 * rounded_error, (name, error, rounded_error)
+    fp32, truth = check_fp16_gradients(
+        pred, embeds, targets, weights, backend=backend, tau=tau, reduction="none",
+        context=_large_tiles() if backend == "triton" else contextlib.nullcontext(),
+    )  # fmt: skip
     # Power: scaling by w / tau before the fp16 cast (the old kernels) misses the bound on grad_pred.
     p64, e64 = pred.double(), embeds.double()
     probs = torch.softmax(p64 @ e64.T / tau, -1)
@@ -1339,10 +1179,12 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
     config), with a parity check of the run itself."""
     from icrl_kernels._triton import autotune_configs
     from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
 
     launches = _launch_spy(monkeypatch)
     case = Case("width", (7, dim), num_actions, False, None, 0.0, 1.0, "sum")
-    check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
+    with forced_algorithm(FUSED):  # A = 9 would take the one-kernel algorithm
+        check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
     grids = {name: grid for name, grid in launches}
     assert set(grids) == {"infonce_forward", "infonce_grad_pred", "infonce_grad_embeds"}
     for name, index in (("infonce_grad_pred", 0), ("infonce_grad_embeds", 1)):
@@ -1378,69 +1220,49 @@ def test_padded_mask_layout():
     assert _padded_mask(None) is None
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
+@pytest.mark.parametrize("backend,device", ALL_PATHS)
 @pytest.mark.parametrize("where", ["pred", "action_embeds"])
 def test_select_nan_is_reported_and_masked_actions_never_chosen(backend, device, where):
-    """NaN in ``pred`` or the map raises ValueError naming both arguments; with value checks off, every
-    row still gets an available action (NaN scores rank lowest; rows of all-NaN scores take their first
-    available action, never action 0 when it is masked)."""
-    from icrl_kernels import set_value_checks
+    check_select_nan(backend, device, where)
 
-    gen = torch.Generator().manual_seed(41)
-    pred = torch.randn(2, 9, 16, generator=gen)
-    embeds = torch.randn(150, 16, generator=gen)
-    mask = random_mask((2, 9, 150), gen)
-    mask[:, :, 0] = False
-    if where == "pred":
-        pred[1, 3] = float("nan")
-    else:
-        embeds[[5, 140]] = float("nan")
-    pred, embeds, mask = pred.to(device), embeds.to(device), mask.to(device)
-    for mode in ("argmax", "sample"):
-        with pytest.raises(ValueError, match="pred or action_embeds contains NaN"):
-            select_actions(pred, embeds, mode=mode, mask=mask, backend=backend)
-        previous = set_value_checks("off")
-        try:
-            actions = select_actions(pred, embeds, mode=mode, mask=mask, backend=backend,
-                                     generator=torch.Generator().manual_seed(1))  # fmt: skip
-        finally:
-            set_value_checks(previous)
-        assert mask.gather(-1, actions[..., None]).all(), f"{mode} picked a masked action"
-    # NaN only in the embedding of an action no row may take is harmless: no error.
-    embeds_masked_nan = embeds.nan_to_num(0.0).clone()
-    embeds_masked_nan[0] = float("nan")
-    clean_pred = pred.nan_to_num(0.0)
-    actions = select_actions(clean_pred, embeds_masked_nan, mode="argmax", mask=mask, backend=backend)
-    assert mask.gather(-1, actions[..., None]).all()
+
+@pytest.mark.parametrize("backend,device", ALL_PATHS)
+@pytest.mark.parametrize("mode", ["argmax", "sample"])
+def test_select_overflowing_logits_never_choose_masked(backend, device, mode):
+    check_select_overflow(backend, device, mode)
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
-@pytest.mark.parametrize("mode", ["argmax", "sample"])
-def test_select_overflowing_logits_never_choose_masked(backend, device, mode):
-    """tau = 1e-38 sends every logit to +-inf. Rows whose available logits are all -inf must get their
-    first available action (the kernel's running best once started at action 0, which is masked here);
-    rows with several +inf available logits, the lowest of them in argmax mode."""
-    gen = torch.Generator().manual_seed(42)
-    embeds = torch.randn(150, 16, generator=gen)
-    pred = torch.randn(40, 16, generator=gen) * 1000  # |logits| ~ 4e3 / 1e-38: +-inf in fp32
-    dots = pred @ embeds.T
-    mask = dots.abs() > 10  # |logit| > 1e39: every available logit overflows to +-inf
-    mask[:20] &= dots[:20] < 0  # rows 0-19: only the actions of negative logit (all -inf)
-    mask[:, 0] = False
-    assert mask.any(-1).all()
-    pred, embeds, mask = pred.to(device), embeds.to(device), mask.to(device)
-    logits = action_logits_reference(pred, embeds, tau=1e-38, mask=mask)
-    all_neg = ~(logits > float("-inf")).any(-1)
-    assert all_neg[:20].all() and not all_neg[20:].any()
-    actions = select_actions(pred, embeds, mode=mode, tau=1e-38, mask=mask, backend=backend,
-                             generator=torch.Generator().manual_seed(2))  # fmt: skip
-    assert mask.gather(-1, actions[:, None]).all(), "picked a masked action"
-    first_available = mask.int().argmax(-1)
-    assert torch.equal(actions[:20], first_available[:20]), "all -inf rows take their first available action"
-    if mode == "argmax":  # +inf ties: the lowest available id among them, as torch.argmax
-        assert (logits[20:] == float("inf")).sum(-1).min() > 1, "ties at +inf must be common"
-        expected = select_actions_reference(pred, embeds, tau=1e-38, mask=mask)
-        assert torch.equal(actions[20:], expected[20:])
+def test_select_fast_paths_agree_with_the_reference_on_non_finite_scores(backend, device):
+    """The reference is the spec for the non-finite cases too: argmax with scores that overflow to +-inf
+    at a tiny tau under a mask, and NaN scores with value checks off, give the same actions on every path
+    (and the reference raises on NaN as the fast paths do)."""
+    from icrl_kernels import set_value_checks
+
+    gen = torch.Generator().manual_seed(43)
+    embeds = torch.randn(37, 8, generator=gen)
+    pred = torch.randn(3, 11, 8, generator=gen) * 1000
+    mask = random_mask((3, 11, 37), gen)
+    mask[..., 0] = False
+    mask[0, :, 1:] &= (pred[0] @ embeds.T)[:, 1:] < 0  # sequence 0: only -inf logits left available
+    mask[0, :, 36] = True
+    nan_pred = pred.clone()
+    nan_pred[1, 2] = float("nan")
+    nan_pred[2, :, 3] = float("nan")
+    cases = [(pred, 1e-38, mask), (pred, 1e-38, None), (pred, 0.7, mask), (nan_pred, 1.0, mask), (nan_pred, 1.0, None)]
+    with pytest.raises(ValueError, match="pred or action_embeds contains NaN"):
+        select_actions_reference(nan_pred, embeds, mask=mask)
+    previous = set_value_checks("off")  # NaN scores: compare what each path picks when nothing raises
+    try:
+        for case_pred, tau, case_mask in cases:
+            expected = select_actions_reference(case_pred, embeds, tau=tau, mask=case_mask)
+            moved = [t.to(device) if t is not None else None for t in (case_pred, embeds, case_mask)]
+            actions = select_actions(moved[0], moved[1], mode="argmax", tau=tau, mask=moved[2], backend=backend)
+            assert torch.equal(actions.cpu(), expected), (tau, case_mask is None, bool(case_pred.isnan().any()))
+            if case_mask is not None:
+                assert case_mask.gather(-1, expected[..., None]).all(), "the reference picked a masked action"
+    finally:
+        set_value_checks(previous)
 
 
 def test_eager_gumbel_noise_is_a_device_function_of_the_seed():
@@ -1461,8 +1283,10 @@ def test_eager_gumbel_noise_is_a_device_function_of_the_seed():
 
 _OFFLINE_COMPILE = """
 import itertools
+from benchmarks.kernel_tools import compile_offline, config_jobs
+from icrl_kernels.contrastive import chunked_kernels as ck
 from icrl_kernels.contrastive import kernels as k
-from icrl_kernels.testing import compile_offline, config_jobs
+from icrl_kernels.contrastive import small_kernels as sk
 
 # benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
 # 1024, one shared map of A = 125 actions (one tile; not a multiple of 16, which changes the
@@ -1489,6 +1313,12 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         "stride_mb": T * mask_cols if masked else 0, "stride_mt": mask_cols if masked else 0,
         "stride_ma": 1 if masked else 0, "stride_gb": T * D, "stride_gt": D, "stride_os": A * D, "stride_oa": D,
         "out_ptr": "*fp32" if splits > 1 else "*" + dtype,  # grad_embeds; selection's is overridden below
+        # The algorithms of contrastive/algorithms.py: the small kernel's mean count; the chunk kernels' chunk of
+        # 2048 rows x A fp32 logits (row chunks; the gradient operand in place, half-precision rows of 2 A) and
+        # their per-row state.
+        "count_ptr": "*i64", "logits_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "hit_ptr": "*fp32",
+        "actions_ptr": "*i32", "targets_ok_ptr": "*i32", "best_ptr": "*fp32", "choice_ptr": "*i64",
+        "ROW0": 2048, "R": 2048, "A0": 0, "C": A, "stride_lr": A, "stride_gr": A if dtype == "fp32" else 2 * A,
     }
     flags = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "DO_FULL": k._do_full(D)}
     info = {"A": A, "D": D, "mask": masked, "dtype": dtype}
@@ -1501,6 +1331,17 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         jobs += config_jobs(k._infonce_forward_kernel, signature, {**flags, "BLOCK_A": block_a}, **info)
         jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
                             {**flags, "BLOCK_A": k._block_a(A, half)}, **info)
+    if A <= 128:  # the small algorithm: one action tile, the gradient for pred in the same kernel (any width)
+        jobs += config_jobs(sk._infonce_small_kernel, signature,
+                            {**flags, "BLOCK_A": 128, "WRITE_GRAD": True, "ROW_WEIGHTS": sk.WEIGHT_MEAN}, **info)
+    elif D == 512:  # the chunk kernels read logits, not pred: the width does not matter
+        for stats, first, last, grad in ((True, True, True, True), (True, True, False, False),
+                                         (True, False, True, False), (False, False, False, True)):
+            jobs += config_jobs(ck._infonce_chunk_kernel, signature, {**flags, "STATS": stats, "FIRST": first,
+                                "LAST": last, "WRITE_GRAD": grad}, **info, mode=f"stats{int(stats)}-grad{int(grad)}")
+        for first, last in ((True, True), (False, False)):
+            jobs += config_jobs(ck._select_chunk_kernel, {**signature, "out_ptr": "*i64", "nan_ptr": "*i32"},
+                                {**flags, "FIRST": first, "LAST": last}, **info)
 compile_offline(jobs)
 """
 
@@ -1508,22 +1349,27 @@ compile_offline(jobs)
 MAX_SHARED_BYTES = 232448
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile the InfoNCE and selection kernels to sm_90
     cubins in every autotune config, in bf16 and fp32, at the benchmark shapes (A = 125 and 4096, D = 512
     and 1024, masked and not), and check that none spills more than ``MAX_SPILL_BYTES`` per thread (the
     fp32 backward with 128-action tiles spilled 17-30 KB; full-width accumulators over 128 threads 1.2 KB)
-    or needs more shared memory than an H100 has (128 actions x 1024 columns of bf16 map took 270 KB)."""
+    or needs more shared memory than an H100 has (128 actions x 1024 columns of bf16 map took 270 KB). The
+    kernels of the other algorithms too (contrastive/algorithms.py): the small kernel at A = 125 (every
+    width), the chunk kernels at A = 4096 in each of their modes (statistics, carried state, gradient)."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
     check_offline_reports(reports, {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
-                                    "_infonce_grad_embeds_kernel", "_select_actions_kernel"})  # fmt: skip
+                                    "_infonce_grad_embeds_kernel", "_select_actions_kernel", "_infonce_small_kernel",
+                                    "_infonce_chunk_kernel", "_select_chunk_kernel"})  # fmt: skip
     heavy = [report for report in reports if report["shared"] > MAX_SHARED_BYTES]
     assert not heavy, f"shared memory above {MAX_SHARED_BYTES} bytes: {heavy}"
     # InfoNCE at A >= 4096 is bound by its dots (the H200 profile: 88-100% device-busy). On Hopper, tiles of
     # 64 rows or more must compile to warpgroup MMA (wgmma, "v3"); 32-row tiles get mma.sync ("v2"). A
     # change of layout or operand that makes a dot ineligible would halve its peak without failing a test.
     half_tiles = [r for r in reports if r["dtype"] == "bf16" and int(re.search(r"BLOCK_N(\d+)", r["config"])[1]) >= 64]
-    assert {r["name"] for r in half_tiles} >= {"_infonce_forward_kernel", "_infonce_grad_pred_kernel"}
+    assert {r["name"] for r in half_tiles} >= {"_infonce_forward_kernel", "_infonce_grad_pred_kernel",
+                                               "_infonce_small_kernel"}  # fmt: skip
     not_wgmma = [(r["name"], r["config"], r["A"], r["mask"], r["mma"]) for r in half_tiles if "v3" not in r["mma"]]
     assert not not_wgmma, f"bf16 tiles of >= 64 rows without wgmma on sm_90: {not_wgmma}"

@@ -5,8 +5,10 @@ errors, episode returns, training windows, generation and the icrl-data command 
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
+import re
 import struct
 import zlib
 
@@ -158,35 +160,17 @@ def test_failed_replace_leaves_nothing(datasets, tmp_path, monkeypatch, existing
         assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("failing_write", [1, 2, 5])
-def test_failed_write_midway_leaves_nothing(datasets, tmp_path, monkeypatch, failing_write):
-    real_fdopen = os.fdopen
-
-    class FailingFile:
-        def __init__(self, file):
-            self.file, self.writes = file, 0
-
-        def __enter__(self):
-            self.file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def write(self, data):
-            self.writes += 1
-            if self.writes == failing_write:
-                self.file.write(bytes(data)[: len(data) // 2])  # half written, then the disk fills up
-                raise OSError("disk full")
-            return self.file.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self.file, name)
-
-    monkeypatch.setattr(storage.os, "fdopen", lambda *a, **k: FailingFile(real_fdopen(*a, **k)))
-    with pytest.raises(OSError, match="disk full"):
-        save_histories(datasets["dark_room"], tmp_path / "d.icrl")
-    assert list(tmp_path.iterdir()) == []
+@pytest.mark.parametrize("budget", [0, 30, 1000, 2000])
+def test_failed_write_midway_leaves_nothing(datasets, tmp_path, fill_disk, budget):
+    """The disk fills up after ``budget`` bytes (in the header, in an array, near the end): ENOSPC naming the
+    file, and no file, partial or whole, is left behind."""
+    target = tmp_path / "d.icrl"
+    assert save_histories(datasets["dark_room"], tmp_path / "whole" / "d.icrl").stat().st_size > 2000
+    fill_disk(tmp_path, budget)
+    with pytest.raises(OSError, match=re.escape(f"No space left on device: '{target}'")) as info:
+        save_histories(datasets["dark_room"], target)
+    assert info.value.errno == errno.ENOSPC
+    assert [p.name for p in tmp_path.iterdir()] == ["whole"]
 
 
 def test_interrupt_during_write_cleans_up(datasets, tmp_path, monkeypatch):
@@ -368,8 +352,45 @@ def test_missing_array(saved):
 
 def test_malformed_array_entry(saved):
     _rewrite_header(saved, lambda h: h["arrays"]["actions"].pop("dtype"))
-    with pytest.raises(DatasetError, match="header entry of array 'actions' is malformed"):
+    with pytest.raises(DatasetError, match=r"header field 'arrays'\['actions'\] lacks \['dtype'\]"):
         load_histories(saved)
+
+
+def _set_entry(array: str, key: str, value):
+    return lambda header: header["arrays"][array].__setitem__(key, value)
+
+
+@pytest.mark.parametrize(
+    "mutate,field",
+    [
+        (lambda h: h.__setitem__("arrays", [1, 2]), "'arrays'"),
+        (lambda h: h.__setitem__("arrays", "actions"), "'arrays'"),
+        (lambda h: h.__setitem__("metadata", [1]), "'metadata'"),
+        (lambda h: h.__setitem__("metadata", None), "'metadata'"),
+        (lambda h: h["arrays"].__setitem__("actions", [1]), "'arrays'['actions']"),
+        (_set_entry("actions", "dtype", 5), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "dtype", "zz"), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "dtype", "|O"), "'arrays'['actions']['dtype']"),
+        (_set_entry("actions", "shape", "ab"), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "shape", [-3, -5]), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "shape", [3.5, 5]), "'arrays'['actions']['shape']"),
+        (_set_entry("actions", "offset", -64), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", 64.5), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", "64"), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "offset", True), "'arrays'['actions']['offset']"),
+        (_set_entry("actions", "nbytes", -1), "'arrays'['actions']['nbytes']"),
+        (_set_entry("actions", "crc32", "x"), "'arrays'['actions']['crc32']"),
+        (_set_entry("actions", "crc32", 2**32), "'arrays'['actions']['crc32']"),
+    ],
+)
+@pytest.mark.parametrize("verify", [True, False])
+def test_malformed_header_field_is_named(saved, mutate, field, verify):
+    """A header with a valid CRC but a field of the wrong kind (a list where an object belongs, a float or
+    bool offset, a negative shape) raises DatasetError naming the field, with or without verification,
+    not an AttributeError or a silently truncated int."""
+    _rewrite_header(saved, mutate)
+    with pytest.raises(DatasetError, match=re.escape(f"header field {field}")):
+        load_histories(saved, verify=verify)
 
 
 def test_array_offset_past_end(saved):

@@ -374,3 +374,46 @@ def test_triton_host_overhead_measure_counts_launches_and_restores_them():
     # int64 ids, n = 2: the plan's rank, key and meta kernels and the forward and backward kernels.
     assert rows["ngram_attention (sort path)"]["triton_launches"] == 5
     assert ngram_kernels.launch is _triton.launch and ik.value_checks() == checks
+
+
+#: Kernels launched by one forward + backward call of each op's Triton path on the tiny inputs of
+#: ``benchmarks/dispatch_overhead.py`` (value checks off): (Triton launches, other PyTorch kernel ops). Each
+#: launch costs host time on a GPU (issue: a lean host path for every op), so the counts are pinned: a change
+#: that adds a launch fails here; one that removes a launch lowers its entry.
+LAUNCHES_PER_CALL = {
+    "ngram_attention": (2, 3),
+    "ngram_attention (sort path)": (5, 4),
+    "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
+    "select_actions (no grad)": (1, 1),
+    "mixture_of_heads": (2, 2),
+    "inject_layer_norm": (2, 7),
+    "gated_attention": (4, 3),  # forward, backward preprocess, dk/dv, dq
+    "gated_attention (gated, smeared)": (5, 8),
+    "smeared_keys": (2, 7),
+}
+
+
+@pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1 (the Triton path on CPU tensors)")
+def test_launches_per_call_are_pinned():
+    from benchmarks import dispatch_overhead
+    from icrl_kernels._library import set_output_poisoning
+
+    poisoning = set_output_poisoning(False)  # the tests' NaN fill of new outputs is one more op per output
+    try:
+        rows = {row["op"]: row for row in dispatch_overhead.triton_host_rows(repeats=1)}
+    finally:
+        set_output_poisoning(poisoning)
+    counted = {name: (row["triton_launches"], row["torch_kernel_ops"]) for name, row in rows.items()}
+    assert counted == LAUNCHES_PER_CALL, "launches per call changed (Triton, PyTorch): update the pin if they fell"
+
+
+def test_host_size_arithmetic_equals_tritons():
+    """The launchers' plain-Python ``cdiv`` / ``next_power_of_2`` (Triton's are constexpr functions, microseconds
+    a host call) give Triton's values."""
+    triton = pytest.importorskip("triton")
+    from icrl_kernels._triton import cdiv, next_power_of_2
+
+    for n in [0, 1, 2, 3, 4, 5, 63, 64, 65, 1000, 4096, 4097, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 127):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)

@@ -11,6 +11,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+#: The measurements that code comments point to (the comment keeps the decision, the file the numbers).
+RESULTS_NOTES = [ROOT / "benchmarks" / "results" / "kernel-constants.md"]
 
 # Text that only exists outside the repository; users never have it.
 FORBIDDEN = ("DESIGN.md", "../shared")
@@ -49,7 +51,7 @@ def test_user_docs_exist():
     assert {"README.md", "conventions.md", "ops.md", "performance.md"} <= names
 
 
-@pytest.mark.parametrize("path", USER_DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+@pytest.mark.parametrize("path", USER_DOCS + RESULTS_NOTES, ids=lambda path: str(path.relative_to(ROOT)))
 def test_relative_links_resolve(path: Path):
     broken = []
     for target in relative_links(path):
@@ -87,6 +89,24 @@ def test_code_points_to_docs_not_outside_files():
         if w in (ROOT / "benchmarks/results/README.md").read_text()
     ]
     assert not found, found
+
+
+_RESULTS_POINTER = re.compile(r"benchmarks/results/([\w.\-]+\.md)(?:#([\w\-]+))?")
+
+
+def test_code_pointers_to_results_resolve():
+    """Comments that keep a decision point to the measurements behind it, ``benchmarks/results/<file>.md#anchor``:
+    each names a file that exists and, with an anchor, one of its headings."""
+    broken = []
+    for folder in ("icrl_kernels", "icrl_models", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name, anchor in _RESULTS_POINTER.findall(path.read_text()):
+                target = ROOT / "benchmarks" / "results" / name
+                if not target.exists():
+                    broken.append(f"{path.relative_to(ROOT)}: {name} (no such file)")
+                elif anchor and anchor not in github_anchors(target.read_text()):
+                    broken.append(f"{path.relative_to(ROOT)}: {name}#{anchor} (no such heading)")
+    assert not broken, broken
 
 
 def test_anchor_rules():

@@ -67,6 +67,25 @@ def test_shapes_and_gates(gate):
     assert ungated(*inputs, return_gates=True)[1] == {}
 
 
+@pytest.mark.parametrize("gate", ["softmax", "linear"])
+def test_fused_attention_of_the_moa_layers_equals_sdpa(gate):
+    """``attention="fused"`` (one gated_attention kernel in the MoA layers) computes what SDPA + the gating op
+    does: the same parameters give the same logits and gradients; it needs dropout 0."""
+    sdpa, fused = _model(gate=gate, moa_layers=(0, 1)), _model(gate=gate, moa_layers=(0, 1), attention="fused")
+    fused.load_state_dict(sdpa.state_dict())
+    inputs = _inputs(2, 5, sdpa.config)
+    want, got = sdpa(*inputs), fused(*inputs)
+    assert_close_rel(got, want, name="logits")
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (name, a), b in zip(sdpa.named_parameters(), fused.parameters()):
+        assert_close_rel(b.grad, a.grad, name=f"grad {name}")
+    with pytest.raises(ValueError, match="attention='fused' needs dropout=0"):
+        DTMoAConfig(**{**SMALL, "attention": "fused", "dropout": 0.1})
+    with pytest.raises(ValueError, match="attention must be one of"):
+        DTMoAConfig(**{**SMALL, "attention": "flash"})
+
+
 def test_causal_future_steps_do_not_change_earlier_logits():
     model = _model()
     rtg, states, actions, timesteps = _inputs(2, 6, model.config)
@@ -481,7 +500,8 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
 
 def test_icrl_markov_list_flags_and_older_comma_strings():
     from icrl_models.config import config_from_args
-    from icrl_models.experiments.markov_heads import MarkovConfig, _listed, build_parser
+    from icrl_models.experiments.markov_heads import MarkovConfig, build_parser
+    from icrl_models.experiments.markov_report import _listed
 
     def parse(*argv):
         return config_from_args(MarkovConfig, build_parser().parse_args(list(argv)))
@@ -505,8 +525,8 @@ def test_icrl_markov_list_flags_and_older_comma_strings():
     assert (paper.context_lens, paper.markov_heads) == ((10, 20, 30, 40, 50), (1, 5, 10))
     assert parse("--markov-heads").markov_heads == () == parse("--markov-heads", "").markov_heads
     assert default.task_list() == list(default.tasks) and default.moa_layer_list() == (0,)
-    # markov.md shows the lists as it always did, from new and old reports alike.
-    assert _listed([0, 1]) == _listed("0,1") == "0,1"
+    # markov.md shows the lists comma-separated.
+    assert _listed([0, 1]) == "0,1"
 
 
 @pytest.mark.parametrize(

@@ -39,9 +39,9 @@ def test_compare_presets_build(preset):
 def test_speed_flags_reach_every_run(tmp_path):
     """``--cuda-graph`` (and ``--compile``) of the experiment commands reach each run's ``TrainConfig``."""
     trials = ngram_ad.build_trials(ngram_ad.CompareConfig(cuda_graph=True, runs=1, seeds=(0,)))
-    assert trials and all(trial.config.cuda_graph for trial in trials)
+    assert trials and all(trial.config.cuda_graph == "on" for trial in trials)
     config = headless_ad.HeadlessExperimentConfig(cuda_graph=True, out_dir=str(tmp_path))
     runs = headless_ad._train_configs(config, tmp_path)
-    assert all(run.cuda_graph for run in runs.values())
+    assert all(run.cuda_graph == "on" for run in runs.values())
     with pytest.raises(ValueError, match="cuda_graph and compile"):
         ngram_ad.build_trials(ngram_ad.CompareConfig(cuda_graph=True, compile=True, runs=1, seeds=(0,)))

@@ -166,6 +166,8 @@ def test_machine_description_names_cpu_torch_and_python(monkeypatch):
     monkeypatch.setattr(harness.os, "cpu_count", lambda: 7)
     assert machine_description(torch.device("cpu")).startswith("Test CPU 9000 (7 cores); torch ")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the device argument is checked to exist
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert machine_description("cuda").startswith("GPU NVIDIA H100 80GB HBM3; torch ")
 
 
@@ -195,7 +197,7 @@ def test_cached_dataset_generates_once_then_reuses(tmp_path, monkeypatch):
 
 
 def test_running_loss_reads_the_device_once_per_mean():
-    from test_no_host_sync import HostReadDetector
+    from _helpers import HostReadDetector
 
     running = harness.RunningLoss()
     assert np.isnan(running.mean())

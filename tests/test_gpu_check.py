@@ -64,11 +64,99 @@ def test_parse_stages():
         gpu_check.parse_stages("parity:0")
 
 
-def test_sanitizer_selection_is_one_run_over_every_file():
-    selection = gpu_check.sanitizer_selection("cuda")
-    files = {path for path, _ in gpu_check.SANITIZER_SELECTION}
-    assert set(selection[:-2]) == files and selection[-2] == "-k"
-    assert selection[-1].count("and cuda") == len(gpu_check.SANITIZER_SELECTION)
+def test_sanitizer_selection_is_one_run_per_part():
+    for part in gpu_check.SANITIZER_PARTS:
+        selection = gpu_check.sanitizer_selection(part, "cuda")
+        files = {path for path, _ in part.selection}
+        assert set(selection[:-2]) == files and selection[-2] == "-k"
+        templated = sum("{device}" in expression for _, expression in part.selection)
+        assert selection[-1].count("and cuda") == templated and "{device}" not in selection[-1]
+    assert [part.tool for part in gpu_check.SANITIZER_PARTS] == ["memcheck"] * 3 + ["racecheck"]
+
+
+def test_sanitizer_parts_cover_every_kernel_file_and_each_selection_finds_tests():
+    """Every Triton kernel module has a memcheck part and a racecheck test, and every (file, -k) pair of every
+    part selects at least one test (collected once under the interpreter and matched with pytest's own -k
+    grammar): a renamed test must not silently drop a kernel from the sanitizer."""
+    import subprocess
+
+    from _pytest.mark.expression import Expression
+
+    kernel_tests = {
+        "ngram/kernels.py": "tests/test_ngram_attention.py", "ngram/tiled_kernels.py": "tests/test_ngram_attention.py",
+        "ngram/plan_kernels.py": "tests/test_ngram_plan_kernels.py",
+        "contrastive/kernels.py": "tests/test_contrastive_kernels.py", "moa/kernels.py": "tests/test_moa_kernels.py",
+        "contrastive/small_kernels.py": "tests/test_contrastive_algorithms.py",
+        "contrastive/chunked_kernels.py": "tests/test_contrastive_algorithms.py",
+        "looped/kernels.py": "tests/test_looped_kernels.py", "smeared/kernels.py": "tests/test_smeared_kernels.py",
+        "attention/kernels.py": "tests/test_attention_kernels.py",
+    }  # fmt: skip
+    modules = {
+        str(p.relative_to(gpu_check.ROOT / "icrl_kernels"))
+        for p in (gpu_check.ROOT / "icrl_kernels").rglob("*kernels.py")
+    }
+    assert modules == set(kernel_tests)
+    for tool in ("memcheck", "racecheck"):
+        covered = {path for part in gpu_check.SANITIZER_PARTS if part.tool == tool for path, _ in part.selection}
+        assert set(kernel_tests.values()) <= covered, tool
+    files = sorted({path for part in gpu_check.SANITIZER_PARTS for path, _ in part.selection})
+    env = {**gpu_check.base_env(True, None)}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+        cwd=gpu_check.ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ids = [line for line in result.stdout.splitlines() if "::" in line]
+    for part in gpu_check.SANITIZER_PARTS:
+        for path, expression in part.selection:
+            compiled = Expression.compile(expression.format(device="cpu"))
+            chosen = [
+                i for i in ids if i.startswith(path) and compiled.evaluate(lambda word, i=i: word.lower() in i.lower())
+            ]
+            assert chosen, f"{part.name}: {path} -k {expression!r} selects no test"
+
+
+def test_sanitizer_errors_are_read_from_the_summaries():
+    log = (
+        "========= COMPUTE-SANITIZER\n....\n========= ERROR SUMMARY: 0 errors\n"
+        "========= RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)\n"
+    )
+    assert gpu_check.sanitizer_errors(log) == 1
+    assert gpu_check.sanitizer_errors("========= ERROR SUMMARY: 3 errors\n") == 3
+    assert gpu_check.sanitizer_errors("no sanitizer here") is None
+    assert gpu_check.parse_sanitizer_parts(None) is None
+    assert gpu_check.parse_sanitizer_parts("racecheck, memcheck-ngram") == ("racecheck", "memcheck-ngram")
+    with pytest.raises(SystemExit, match="unknown sanitizer part"):
+        gpu_check.parse_sanitizer_parts("memcheck-everything")
+
+
+def test_dry_run_memcheck_stage_writes_each_part(tmp_path):
+    """The memcheck stage rehearsed on the CPU (one small part: the full dry run is the slow test below and
+    CI's): its selection runs under the interpreter, and memcheck.json/.md name the part and its counts."""
+    argv = [str(tmp_path), "--stages", "memcheck", "--dry-run", "--sanitizer-parts", "memcheck-contrastive"]
+    assert gpu_check.main(argv) == 0
+    report = json.loads((tmp_path / "memcheck.json").read_text())
+    (part,) = report["parts"]
+    assert part["part"] == "memcheck-contrastive" and part["status"] == "passed" and part["tests"] >= 5
+    assert "| memcheck-contrastive | memcheck | passed |" in (tmp_path / "memcheck.md").read_text()
+    assert json.loads((tmp_path / "stages.json").read_text())["memcheck"]["status"] == "passed"
+
+
+@pytest.mark.slow
+def test_dry_run_memcheck_stage_passes_every_part(tmp_path):
+    assert gpu_check.main([str(tmp_path), "--stages", "memcheck:900", "--dry-run"]) == 0
+    report = json.loads((tmp_path / "memcheck.json").read_text())
+    assert [part["part"] for part in report["parts"]] == [part.name for part in gpu_check.SANITIZER_PARTS]
+    assert all(part["status"] == "passed" and part["tests"] > 0 for part in report["parts"])
+
+
+def test_a_memcheck_stage_at_its_limit_records_the_parts_not_run(tmp_path):
+    ctx = gpu_check.Context(tmp_path, dry_run=True, timeout=1.0, env=gpu_check.base_env(True, None))
+    ctx.deadline = 0.0  # already past
+    status, details = gpu_check.stage_memcheck(ctx)
+    assert status == "timed out" and set(details["parts"].values()) == {"not run (stage time limit)"}
+    report = json.loads((tmp_path / "memcheck.json").read_text())
+    assert [part["part"] for part in report["parts"]] == [part.name for part in gpu_check.SANITIZER_PARTS]
 
 
 def test_profile_files_hold_every_headline_benchmark_of_ours():
@@ -124,6 +212,17 @@ def test_dry_run_env_stage_measures_the_ceilings(tmp_path):
     assert facts["torch"] and "copy bandwidth" in (tmp_path / "env.md").read_text()
 
 
+def test_dry_run_infonce_crossover_stage_times_every_algorithm(tmp_path):
+    """The sweep behind the InfoNCE / selection thresholds (``contrastive/algorithms.py``) runs end to end on
+    the CPU smoke shapes: every algorithm of both ops, and a table that names the fastest per shape."""
+    assert gpu_check.main([str(tmp_path), "--stages", "infonce-crossover", "--dry-run"]) == 0
+    backends = {bench["extra_info"]["backend"] for bench in json.loads((tmp_path / "infonce-crossover.json")
+                                                                       .read_text())["benchmarks"]}  # fmt: skip
+    assert {"small", "fused", "row-chunks", "action-chunks", "row-chunks@16MiB"} <= backends
+    table = (tmp_path / "infonce-crossover.md").read_text()
+    assert "### infonce-crossover" in table and "### select-crossover" in table and "| fastest |" in table
+
+
 # -- what the parity stage selects on a CUDA machine ------------------------------------------------
 def test_cuda_tests_get_plain_devices_and_the_gpu_marker(tmp_path):
     """On a CUDA machine every Triton test gets the device as the plain string ``"cuda"`` (a nested
@@ -137,7 +236,7 @@ def test_cuda_tests_get_plain_devices_and_the_gpu_marker(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
     env.pop("TRITON_INTERPRET", None)
-    files = ["tests/test_smeared_keys.py", "tests/test_contrastive_kernels.py", "tests/test_ngram_robustness.py"]
+    files = ["tests/test_smeared_kernels.py", "tests/test_contrastive_kernels.py", "tests/test_ngram_robustness.py"]
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,

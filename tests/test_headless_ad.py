@@ -365,6 +365,7 @@ def test_ad_select_tau_changes_only_sampling():
         TrainConfig(model="ad", select_tau=float("nan"))
 
 
+@pytest.mark.slow  # ~90 s; icrl-headless's default command runs in test_headless_experiment_end_to_end
 def test_ablations_command_end_to_end(tmp_path, capsys):
     """``--ablations`` trains each variant on the same data and tabulates every temperature and arm count."""
     out = tmp_path / "abl"

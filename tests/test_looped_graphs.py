@@ -14,7 +14,7 @@ import inspect
 
 import pytest
 import torch
-from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks, host_reads
+from _helpers import HostReadDetector, cpu_backends, gpu_value_checks, host_reads
 
 import icrl_models.cuda_graphs as cuda_graphs
 import icrl_models.looped_step as looped_step
@@ -46,7 +46,7 @@ def params(model):
 
 # -- CPU: no host syncs ------------------------------------------------------------------------------
 @pytest.mark.parametrize("foreach", [False, True])
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 def test_train_step_reads_no_value_on_host(capturable_on_cpu, backend, foreach):
     model = make_model(backend=backend)
     optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3), capturable=True, foreach=foreach)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from icrl_models.experiments import harness
+from icrl_models.experiments import harness, markov_report
 from icrl_models.experiments import markov_heads as mh
 from icrl_models.experiments.markov_heads import MarkovConfig
 from icrl_models.models.dt_moa import TrajectoryWindows
@@ -114,7 +114,7 @@ def test_paired_differences_by_hand():
         _fake("cue_visible", 0, 0.9, 0.9, corridor_length=8), _fake("cue_hidden", 0, 0.1, 0.1, corridor_length=8),
     ]  # fmt: skip
     results[0]["g_markov_init_heads"] = {"0": 0.35, "1": 0.25}  # summed over the gated layers: 0.60
-    pairs = mh.paired_differences(results)
+    pairs = markov_report.paired_differences(results)
     assert [(p["corridor_length"], p["k"], p["seeds"]) for p in pairs] == [(4, 10, [0, 1, 2]), (8, 10, [0])]
     # Differences 0.20, -0.05, 0.10 = (12, -3, 6) / 60: mean 5/60, deviations (7, -8, 1) / 60,
     # sample variance (49 + 64 + 1) / 2 / 60^2 = 57 / 3600.
@@ -123,24 +123,25 @@ def test_paired_differences_by_hand():
     assert first["stats"]["mean"] == pytest.approx(5 / 60)
     assert first["stats"]["std"] == pytest.approx(math.sqrt(57) / 60)
     assert first["paper_sign"] == 2 and first["stats"]["n"] == 3
-    state = mh.paired_differences(results, "g_markov_state_tokens")[0]
+    state = markov_report.paired_differences(results, "g_markov_state_tokens")[0]
     np.testing.assert_allclose(state["differences"], [0.0, -0.1, 0.2], atol=1e-12)
     assert state["paper_sign"] == 1  # a zero difference is not the paper's sign
-    merged = mh.memory_pairs(results)[0]
+    merged = markov_report.memory_pairs(results)[0]
     assert merged["g_markov"]["paper_sign"] == 2 and merged["g_markov_state_tokens"]["mean"] == pytest.approx(0.1 / 3)
-    table = "\n".join(mh._pair_table({(4, 10): merged}, [(4, 10)]))
+    table = "\n".join(markov_report._pair_table({(4, 10): merged}, [(4, 10)]))
     assert "| 4 | 10 | 0.083 ± 0.126 (n=3) | +0.200, -0.050, +0.100 | 2/3 |" in table
 
 
 def test_nan_tolerant_stats_leave_nan_out_and_count_it():
-    stats = mh.nan_tolerant_stats([1.0, math.nan, 3.0])
+    stats = markov_report.nan_tolerant_stats([1.0, math.nan, 3.0])
     assert (stats["mean"], stats["n"], stats["nan"]) == (2.0, 2, 1)
     assert stats["std"] == pytest.approx(math.sqrt(2)) and math.isnan(stats["values"][1])
-    assert mh._fmt(stats) == "2.000 ± 1.414 (n=2, 1 NaN)"
-    none = mh.nan_tolerant_stats([math.nan, math.inf])
+    assert markov_report._fmt(stats) == "2.000 ± 1.414 (n=2, 1 NaN)"
+    none = markov_report.nan_tolerant_stats([math.nan, math.inf])
     assert none["n"] == 0 and none["nan"] == 2 and math.isnan(none["mean"])
-    assert mh._fmt(none) == "NaN (n=0, 2 NaN)"
-    assert mh._fmt(mh.nan_tolerant_stats([0.5, 0.7])) == harness.format_stats(harness.seed_stats([0.5, 0.7]))
+    assert markov_report._fmt(none) == "NaN (n=0, 2 NaN)"
+    expected = harness.format_stats(harness.seed_stats([0.5, 0.7]))
+    assert markov_report._fmt(markov_report.nan_tolerant_stats([0.5, 0.7])) == expected
     with pytest.raises(ValueError, match="values must not contain NaN"):  # the strict path is unchanged
         harness.seed_stats([1.0, math.nan])
 

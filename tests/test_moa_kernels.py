@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import MoAAttention, mixture_of_heads, mixture_of_heads_reference, resolve_backend
 from icrl_kernels.moa import GATES, gate_weights_reference
 from icrl_kernels.moa.function import mixture_of_heads_backward_op, mixture_of_heads_op
@@ -18,10 +19,8 @@ from icrl_kernels.testing import (
     RMS_TOLERANCE,
     TESTED_DTYPES,
     assert_close_rel,
-    check_offline_reports,
     fast_impls,
     fast_paths,
-    run_offline_compile,
     triton_devices,
 )
 
@@ -426,7 +425,7 @@ def test_module_under_autocast():
 
 _OFFLINE_COMPILE = """
 from icrl_kernels.moa import kernels
-from icrl_kernels.testing import CompileJob, compile_offline
+from benchmarks.kernel_tools import CompileJob, compile_offline
 
 # benchmarks/bench_moa.py (docs/performance.md#targets): B = 8, H = 12, Dh = 64, L = 1024; head_out is SDPA's
 # [B, H, L, Dh] output seen through transpose(1, 2), gate logits and grad_out contiguous, grad_head in
@@ -450,6 +449,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile both kernels to sm_90 cubins with the

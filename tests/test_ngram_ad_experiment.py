@@ -78,7 +78,8 @@ def test_flags_win_over_the_preset_and_no_preset_keeps_one_setting_one_seed():
     default = config_from_args(CompareConfig, parser.parse_args([]))
     assert default.preset is None and default.settings() == [(None, 1000)] and default.seeds == (0,)
     trials = build_trials(default)
-    assert len(trials) == 2 * default.runs and trials[0].config.out_dir.endswith("compare/ad-000")  # flat layout
+    assert len(trials) == 2 * default.runs
+    assert trials[0].config.out_dir.endswith("compare/goalsdefault-histories1000/seed0/ad-000")
 
 
 @pytest.mark.parametrize(

@@ -5,19 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import NGramAttention, ngram_attention, ngram_attention_reference, resolve_backend, transition_ids
 from icrl_kernels._validation import KERNEL_FLOAT_DTYPES
-from icrl_kernels.ngram import function
+from icrl_kernels.ngram import function, reference
 from icrl_kernels.ngram.function import (
     CPU_DENSE_MAX_LENGTH,
     TILED_MAX_LENGTH,
+    _ngram_plan_op,
     ngram_attention_backward_op,
     ngram_attention_op,
     ngram_attention_tiled_backward_op,
     ngram_attention_tiled_op,
 )
-from icrl_kernels.ngram.plan import _ngram_plan_op, build_ngram_plan
-from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
+from icrl_kernels.ngram.plan import build_ngram_plan
+from icrl_kernels.ngram.reference import ngram_attention_reference as dense_reference
+from icrl_kernels.testing import assert_close_rel, triton_devices
 
 IMPLS = ["eager"] + (["triton"] if triton_devices() else [])
 
@@ -219,7 +222,7 @@ def ran_paths(monkeypatch) -> list[str]:
 
         return wrapper
 
-    monkeypatch.setattr(function, "ngram_attention_reference", spy("reference", function.ngram_attention_reference))
+    monkeypatch.setattr(reference, "ngram_attention_reference", spy("reference", reference.ngram_attention_reference))
     sort_path = spy(lambda args: f"sort-{args[-1]}", function.ngram_attention_op)  # args[-1]: the impl
     monkeypatch.setattr(function, "ngram_attention_op", sort_path)
     monkeypatch.setattr(function, "ngram_attention_tiled_op", spy("tiled", function.ngram_attention_tiled_op))
@@ -227,17 +230,18 @@ def ran_paths(monkeypatch) -> list[str]:
 
 
 def _check_against_reference(h, ids, n, **kwargs):
-    """``ngram_attention(**kwargs)`` output and gradient against the reference on the same inputs."""
+    """``ngram_attention(**kwargs)`` output and gradient against the reference on the same inputs (the spec
+    itself, bound at import: :func:`ran_paths` spies on the module attribute that the op calls)."""
     h = h.detach().requires_grad_(True)
     h_ref = h.detach().clone().requires_grad_(True)
     out = ngram_attention(h, ids, n, **kwargs)
     with torch.no_grad():
-        expected = ngram_attention_reference(h_ref.detach(), ids, n)
+        expected = dense_reference(h_ref.detach(), ids, n)
     assert out.dtype == h.dtype and out.shape == h.shape
     assert_close_rel(out, expected, name="output")
     grad_out = torch.randn_like(out)
     (grad,) = torch.autograd.grad(out, h, grad_out)
-    (grad_ref,) = torch.autograd.grad(ngram_attention_reference(h_ref, ids, n), h_ref, grad_out)
+    (grad_ref,) = torch.autograd.grad(dense_reference(h_ref, ids, n), h_ref, grad_out)
     assert_close_rel(grad, grad_ref, name="grad_h")
 
 
@@ -366,7 +370,7 @@ def test_tiled_autotune_key():
 _OFFLINE_COMPILE_TILED = """
 import itertools
 from icrl_kernels.ngram import tiled_kernels
-from icrl_kernels.testing import compile_offline, config_jobs
+from benchmarks.kernel_tools import compile_offline, config_jobs
 
 # D = 512 (benchmarks/bench_ngram_attention.py; D = 64 and 256 specialise the same: multiples of 16) at
 # L = 1024, the longest L that algorithm="auto" sends to the tiled kernel; n = 1, 2 and 4 (N-Gram AD
@@ -386,6 +390,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_tiled_kernels_compile_for_sm90_offline():
     """Every autotune config of both tiled kernels compiles to sm_90 at n = 1, 2, 4 in bf16 and fp32
@@ -400,3 +405,51 @@ def function_configs(which: str) -> tuple:
     from icrl_kernels.ngram import tiled_kernels
 
     return autotune_configs(getattr(tiled_kernels, f"_ngram_tiled_{which}_kernel"))
+
+
+# --- vmap: the run dimension of batched training folds into the batch ---------------------------
+
+
+def _vmap_cases() -> list:
+    """Every path's op once; the Triton sort path on CUDA only (under the interpreter it takes ~40 s here, and
+    its ops are the eager path's with another ``impl``)."""
+    cases = [("eager", "sort", "cpu"), ("reference", "auto", "cpu")]
+    cases += [("triton", "tiled", device) for device in triton_devices()]
+    cases += [("triton", "sort", device) for device in triton_devices() if device == "cuda"]
+    return [pytest.param(*case, id="-".join(case)) for case in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend, algorithm, device", _vmap_cases())
+def test_vmap_over_runs_equals_each_run_alone(backend, algorithm, device, dtype):
+    """``torch.func.vmap`` over a leading run dimension (icrl_models.batched: K models in one program) gives
+    each run's own output and gradient, with ids vmapped or shared by the runs, padding ids included; the
+    custom ops run once with the runs folded into their batch (fold_vmap_into_batch)."""
+    gen = torch.Generator().manual_seed(3)
+    runs, batch, length, dim = 3, 2, 11, 5  # odd sizes
+    h = torch.randn(runs, batch, length, dim, generator=gen).to(device, dtype).requires_grad_()
+    ids = torch.randint(0, 3, (runs, batch, length), generator=gen)
+    ids[1, 0, 4:6] = -1
+    ids = ids.to(device)
+    weight = torch.randn(runs, batch, length, dim, generator=gen).to(device, dtype)
+    kwargs = {"backend": backend} | ({"algorithm": algorithm} if backend == "triton" else {})
+    for shared in (False, True):
+        run_ids = ids[0].expand(runs, batch, length) if shared else ids
+        mapped = torch.vmap(lambda x, i: ngram_attention(x, i, 2, **kwargs), in_dims=(0, None if shared else 0))
+        out = mapped(h, ids[0] if shared else ids)
+        (grad,) = torch.autograd.grad((out * weight).sum(), h)
+        want = torch.stack([ngram_attention(h[k], run_ids[k], 2, **kwargs) for k in range(runs)])
+        (want_grad,) = torch.autograd.grad((want * weight).sum(), h)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+        torch.testing.assert_close(out.float(), torch.stack([ngram_attention_reference(h[k].detach().float(),
+                                   run_ids[k], 2) for k in range(runs)]), rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
+def test_vmap_of_the_plan_op_folds_runs_into_the_batch():
+    ids = torch.randint(0, 4, (3, 2, 10), generator=torch.Generator().manual_seed(0))
+    perm, meta, count = torch.vmap(lambda i: _ngram_plan_op(i, 2, False))(ids)
+    for run in range(3):
+        want = build_ngram_plan(ids[run], 2)
+        assert torch.equal(perm[run], want.perm) and torch.equal(meta[run], want.meta)
+        assert torch.equal(count[run], want.count)

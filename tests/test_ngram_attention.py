@@ -10,14 +10,13 @@ import contextlib
 
 import pytest
 import torch
-from torch._library.custom_ops import _maybe_get_opdef
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import check_parity, no_host_reads, random_ids
 
-import icrl_kernels
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import NGramDecodeState, ngram_attention, ngram_attention_reference, ngram_plan, transition_ids
 from icrl_kernels.ngram.plan import SEGMENT_START, build_ngram_plan, ngram_keys
 from icrl_kernels.ngram.reference import ngram_match_matrix
-from icrl_kernels.testing import assert_close_rel, check_offline_reports, run_offline_compile, triton_devices
+from icrl_kernels.testing import assert_close_rel, triton_devices
 
 pytest.importorskip("triton")  # the kernel modules need it: an install without the `triton` extra skips this file
 from icrl_kernels.ngram import kernels as ngram_kernels  # noqa: E402
@@ -28,29 +27,6 @@ FAST_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
     for algorithm in ("sort", "tiled")
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def random_ids(
-    batch: int, length: int, vocab: int, *, generator: torch.Generator, padding: float = 0.0
-) -> torch.Tensor:
-    ids = torch.randint(0, vocab, (batch, length), generator=generator)
-    if padding > 0:
-        ids[torch.rand(batch, length, generator=generator) < padding] = -1
-    return ids
-
-
-def check_parity(h: torch.Tensor, ids: torch.Tensor, n: int, backend: str, algorithm="auto", *, plan=None) -> None:
-    """Output and gradient of ``backend`` / ``algorithm`` against the reference on the same inputs."""
-    h = h.detach().requires_grad_(True)
-    h_ref = h.detach().clone().requires_grad_(True)
-    out = ngram_attention(h, ids, n, backend=backend, plan=plan, algorithm=algorithm)
-    ref = ngram_attention_reference(h_ref, ids, n)
-    assert out.dtype == h.dtype and out.shape == h.shape
-    assert_close_rel(out, ref, name=f"{backend} output")
-    grad_out = torch.randn_like(ref)
-    (grad,) = torch.autograd.grad(out, h, grad_out)
-    (grad_ref,) = torch.autograd.grad(ref, h_ref, grad_out)
-    assert_close_rel(grad, grad_ref, name=f"{backend} grad_h")
 
 
 @pytest.mark.parametrize("backend,algorithm,device", FAST_PATHS)
@@ -209,7 +185,7 @@ def test_non_contiguous_inputs(backend, algorithm, device):
 _OFFLINE_COMPILE = """
 import itertools
 from icrl_kernels.ngram import kernels, tiled_kernels
-from icrl_kernels.testing import CompileJob, compile_offline, config_jobs
+from benchmarks.kernel_tools import CompileJob, compile_offline, config_jobs
 
 # benchmarks/bench_ngram_attention.py (docs/performance.md#targets): D = 512 and 256 (the same specialisation: both
 # are multiples of 16, so they compile once), the sort path at L = 4096 (B = 16: chunks of 384, 11 a row),
@@ -247,6 +223,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile the sort-path and tiled kernels to sm_90
@@ -273,6 +250,10 @@ def _segment_chunk_spans(ids: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
     return torch.tensor(spans)
 
 
+#: The long interpreted cases are the slow tier (docs/testing.md#test-tiers); the first stays in the default one.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -280,9 +261,9 @@ def _segment_chunk_spans(ids: torch.Tensor, n: int, chunk: int) -> torch.Tensor:
     "batch,length,dim,vocab,n,padding,chunk",
     [
         (2, 70, 19, 3, 1, 0.1, 16),  # segments of ~20 positions cross chunk boundaries
-        (1, 90, 33, 1, 1, 0.0, 8),  # one token repeated: one segment spans all 12 chunks
-        (2, 56, 24, 2, 2, 0.2, 7),  # ragged chunks (7 is not a tile multiple), padding ids
-        (1, 50, 9, 40, 1, 0.0, 5),  # mostly single-position segments: boundaries in every chunk
+        pytest.param(1, 90, 33, 1, 1, 0.0, 8, marks=_SLOW),  # one token repeated: one segment spans all 12 chunks
+        pytest.param(2, 56, 24, 2, 2, 0.2, 7, marks=_SLOW),  # ragged chunks (7 is not a tile multiple), padding
+        pytest.param(1, 50, 9, 40, 1, 0.0, 5, marks=_SLOW),  # mostly single-position segments: every chunk
     ],
 )
 def test_sort_path_chunked_parity(device, dtype, batch, length, dim, vocab, n, padding, chunk):
@@ -307,6 +288,7 @@ def test_sort_path_chunked_short_rows(device, length, chunk):
         check_parity(h, ids.to(device), 1, "triton", "sort")
 
 
+@pytest.mark.slow  # every autotune config, interpreted (docs/testing.md#test-tiers)
 @pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("kernel_name", ["_ngram_forward_kernel", "_ngram_backward_kernel"])
@@ -378,48 +360,18 @@ def test_plan_permutation_is_lexicographic(dtype, vocab, n):
         assert torch.equal(mine, wide)
 
 
-class _FailOnHostRead(TorchDispatchMode):
-    """Fails on every op that would make the host wait for a CUDA device: a value read
-    (``aten._local_scalar_dense``; ``aten.item`` inside custom ops, which run above the autograd key) or an
-    output whose size depends on values."""
-
-    FORBIDDEN = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "unique",
-                 "_unique", "_unique2", "unique_consecutive", "unique_dim"}  # fmt: skip
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "icrl":  # a custom op: run its Python body with the mode on, to see inside it
-            with self:
-                return _maybe_get_opdef(func)._init_fn(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        assert name not in self.FORBIDDEN, f"host read: {func}"
-        if name in ("index", "index_put", "index_put_"):
-            assert not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ()), func
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _no_host_reads():
-    previous = icrl_kernels.set_value_checks("async")  # the GPU path of check_values, also on CPU
-    try:
-        with _FailOnHostRead():
-            yield
-    finally:
-        icrl_kernels.set_value_checks(previous)
-
-
 def test_detector_catches_host_reads(monkeypatch):
-    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
         torch.ones(3).sum().item()
-    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
         torch.unique(torch.ones(3))
     # Also inside a custom op (the plan is one): the former vocabulary read is caught.
-    from icrl_kernels.ngram import plan as plan_module
+    from icrl_kernels.ngram import function as ngram_function
 
-    original = plan_module.build_ngram_plan
-    monkeypatch.setattr(plan_module, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
-    with pytest.raises(AssertionError, match="host read"), _FailOnHostRead():
-        plan_module._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, False)  # the PyTorch builder
+    original = ngram_function.build_ngram_plan
+    monkeypatch.setattr(ngram_function, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
+    with pytest.raises(AssertionError, match="host read"), no_host_reads():
+        ngram_function._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, False)  # the PyTorch builder
 
 
 @pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_DEVICES else []))
@@ -431,7 +383,7 @@ def test_plan_and_op_without_host_reads(backend, n, vocab):
     ids[0, :3] = -1
     h = torch.randn(2, 30, 7, generator=gen, requires_grad=True)
     chunked = ngram_kernels.forced_chunk_length(8) if backend == "triton" else contextlib.nullcontext()
-    with chunked, _no_host_reads():
+    with chunked, no_host_reads():
         build_ngram_plan(ids, n)
         plan = ngram_plan(ids, n)
         algorithm = "sort" if backend == "triton" else "auto"
@@ -446,7 +398,7 @@ def test_plan_and_op_without_host_reads(backend, n, vocab):
 
 def test_token_ids_and_decode_without_host_reads():
     states, actions, rewards = torch.tensor([[0, 2, 1, -1]]), torch.tensor([[1, 0, 2, 0]]), torch.tensor([[0, 1, 1, 0]])
-    with _no_host_reads():
+    with no_host_reads():
         ids = transition_ids(states, actions, rewards, num_states=3, num_actions=3, num_rewards=2)
         state = NGramDecodeState(1, 3, 2, max_len=4)
         for i in range(4):

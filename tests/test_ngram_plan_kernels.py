@@ -13,15 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import ngram_attention, ngram_attention_reference, ngram_plan
 from icrl_kernels.ngram.plan import build_ngram_plan
-from icrl_kernels.testing import (
-    assert_close_rel,
-    check_offline_reports,
-    poisoned_outputs,
-    run_offline_compile,
-    triton_devices,
-)
+from icrl_kernels.testing import assert_close_rel, poisoned_outputs, triton_devices
 
 TRITON_DEVICES = triton_devices()
 pytestmark = pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
@@ -103,7 +98,7 @@ def test_ngram_plan_and_attention_take_the_kernels(device, monkeypatch):
 
 _OFFLINE_COMPILE = """
 from icrl_kernels.ngram import plan_kernels as k
-from icrl_kernels.testing import CompileJob, compile_offline
+from benchmarks.kernel_tools import CompileJob, compile_offline
 
 # The benchmark's rows (L = 4096), int64 ids, one launch per kernel and key mode.
 common = {"L": 4096, "BLOCK_L": k.PLAN_BLOCK_L}
@@ -122,6 +117,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_plan_kernels_compile_for_sm90_offline():
     reports = run_offline_compile(_OFFLINE_COMPILE)

@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("hypothesis", reason="the property tests need hypothesis (pip install hypothesis)")
 
+from _helpers import check_parity, random_ids  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_ngram_attention import check_parity, random_ids  # noqa: E402
 
 from icrl_kernels.testing import triton_devices  # noqa: E402
 

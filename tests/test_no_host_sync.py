@@ -12,57 +12,18 @@ read values).
 
 from __future__ import annotations
 
-import ast
-import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from torch._library.custom_ops import _maybe_get_opdef
-from torch.utils._python_dispatch import TorchDispatchMode
+from _helpers import HostReadDetector, cpu_backends, gpu_value_checks, host_reads
 
 import icrl_kernels as ik
-from icrl_kernels._backend import triton_runs_on
 
 PACKAGE = Path(ik.__file__).parent
 #: Files that may read values: the test helpers, and the checker itself.
 ALLOWED_FILES = {"testing.py", "_validation.py"}
-#: The value checks, whose arguments may read values (``details``, run only when a synchronous check fails).
-VALUE_CHECKS = {"check_values", "check_status_codes"}
-#: Methods that copy a device value to the host (or a whole tensor).
-HOST_READ_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero"}
-#: Tensor reductions whose result, passed to bool()/int()/float() or tested by `if`, is a host read.
-REDUCTIONS = {"any", "all", "max", "min", "sum", "amax", "amin", "count_nonzero", "mean", "prod"}
-
-
-def _calls_reduction(node: ast.AST) -> bool:
-    return any(
-        isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in REDUCTIONS
-        for sub in ast.walk(node)
-    )
-
-
-def host_reads(source: str) -> list[tuple[int, str]]:
-    """``(line, text)`` of every host read in ``source`` outside the arguments of ``check_values(...)``
-    and ``check_status_codes(...)``."""
-    tree = ast.parse(source)
-    skipped: set[int] = set()
-    for node in ast.walk(tree):  # the arguments of the value checks may read values (details on failure)
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in VALUE_CHECKS:
-            skipped.update(id(sub) for arg in node.args + [k.value for k in node.keywords] for sub in ast.walk(arg))
-    found = []
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOST_READ_METHODS:
-            found.append((node.lineno, f".{node.func.attr}()"))
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("bool", "int", "float"):
-            if node.args and _calls_reduction(node.args[0]):
-                found.append((node.lineno, f"{node.func.id}(<tensor reduction>)"))
-        elif isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)) and _calls_reduction(node.test):
-            found.append((node.lineno, f"{type(node).__name__.lower()} on a tensor reduction"))
-    return sorted(found)
 
 
 def test_scanner_finds_host_reads():
@@ -92,43 +53,6 @@ def test_package_source_has_no_host_reads():
 
 
 # -- runtime: no host read while the ops run -----------------------------------------------------------
-class HostReadDetector(TorchDispatchMode):
-    """Records every dispatched op whose CUDA version would wait for the device: a value read on the host,
-    or an output whose shape depends on values (``nonzero``, boolean indexing, ``unique``, ...)."""
-
-    VALUE_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "icrl":  # a custom op: run its Python body with the mode on, to see inside
-            opdef = _maybe_get_opdef(func)
-            with self:
-                return opdef._init_fn(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if name in ("_local_scalar_dense", "is_nonzero", "equal") or name in self.VALUE_DEPENDENT:
-            self.reads.append(str(func))
-        elif name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
-        ):
-            self.reads.append(f"{func} with a boolean index")
-        elif name == "repeat_interleave" and (kwargs or {}).get("output_size") is None and len(args) == 1:
-            self.reads.append(f"{func} without output_size")
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def gpu_value_checks():
-    previous = ik.set_value_checks("async")
-    try:
-        yield
-    finally:
-        ik.set_value_checks(previous)
-
-
 def _backward(out: torch.Tensor) -> None:
     if out.requires_grad:
         out.float().square().sum().backward()
@@ -248,11 +172,7 @@ def _module_cases(device: torch.device) -> dict[str, Callable[[], torch.Tensor]]
             "ActionMap": action_map_case}  # fmt: skip
 
 
-def _cpu_backends() -> list[str]:
-    return ["eager", "triton"] if triton_runs_on(torch.device("cpu")) else ["eager"]
-
-
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("op", list(_op_cases(torch.device("cpu"))))
 def test_op_reads_no_value_on_host(op, backend):
     run = _op_cases(torch.device("cpu"))[op]

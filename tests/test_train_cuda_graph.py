@@ -10,7 +10,6 @@ the two modes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_no_host_sync import HostReadDetector, _cpu_backends, gpu_value_checks
+from _helpers import HostReadDetector, cpu_backends, gpu_value_checks
 
 import icrl_kernels
 import icrl_models.cuda_graphs as cuda_graphs
@@ -48,7 +47,7 @@ def _rows(config: TrainConfig) -> list[dict]:
 
 
 # -- CPU: the step can be captured -------------------------------------------------------------------
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("model, env", MODELS)
 def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path, model, env, backend):
     config = _tiny(tmp_path, model, env, backend=backend, residual_dropout=0.1, label_smoothing=0.1)
@@ -66,6 +65,72 @@ def test_whole_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path,
             stats = train_step(net, net, optimizer, batch, config, autocast)
     assert not detector.reads, f"{model}'s training step reads device values on the host: {detector.reads}"
     assert stats.shape == (2,) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.mark.parametrize("model, env", MODELS)
+def test_watched_training_step_reads_no_value_on_host(capturable_on_cpu, tmp_path, model, env, policy):
+    """icrl-train's step watched by the NonFiniteGuard (under "skip" it backs up and conditionally restores the
+    whole state every step) stays free of host reads, so the graphed step keeps the guard in the graph."""
+    from icrl_models.nonfinite import NonFiniteGuard
+
+    config = _tiny(tmp_path, model, env, backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    torch.manual_seed(0)
+    net = config.build_model(histories)
+    optimizer = torch.optim.AdamW(net.parameters(), torch.tensor(1e-3), capturable=True)
+    guard = NonFiniteGuard(net, optimizer, policy=policy)
+    autocast = torch.autocast("cpu", enabled=False)
+    step = guard.watch(lambda batch: train_step(net, net, optimizer, batch, config, autocast))
+    rng = np.random.default_rng(0)
+    batches = [_next_batch(windows, rng, config, net, torch.device("cpu")) for _ in range(3)]
+    with gpu_value_checks(), HostReadDetector() as detector:
+        for batch in batches:
+            step(batch)
+    assert not detector.reads, f"the watched {model} step reads device values on the host: {detector.reads}"
+    assert guard.check() == 0
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_graphed_runner_with_a_guard_equals_the_eager_one(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, tmp_path, policy
+):
+    """The guard inside StepRunner's graphed path (capture emulated on the CPU): the capture's warm-up steps
+    leave its counters as they were (the extra state restored), and a non-finite step in a replay is
+    recorded at the step the eager runner records it, and (skip) undone alike."""
+    from icrl_models.nonfinite import NonFiniteGuard, TrainingDiverged
+
+    config = _tiny(tmp_path, "ngram_ad", "dark_room", backend="eager")
+    histories = generate_histories(config.generate_config("train", 8, 8), progress=False)
+    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
+    autocast = torch.autocast("cpu", enabled=False)
+    results = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        net = config.build_model(histories)
+        optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        guard = NonFiniteGuard(net, optimizer, policy=policy, step=10, log=lambda line: None)
+        emulated_cuda_graphs(net, optimizer, guard.state_tensors())
+        runner = cuda_graphs.StepRunner(
+            lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
+            torch.device("cpu"), guard=guard,
+        )  # fmt: skip
+        runner.graphed = graphed
+        rng = np.random.default_rng(0)
+        batches = [_next_batch(windows, rng, config, net, torch.device("cpu")) for _ in range(5)]
+        batches[3]["prev_rewards"] = batches[3]["prev_rewards"] * float("nan")  # step 14 is not finite
+        for batch in batches:
+            runner(batch)
+        try:
+            outcome = guard.check()
+        except TrainingDiverged as error:
+            outcome = error.step
+        results[graphed] = (outcome, int(guard.steps), [p.detach().clone() for p in net.parameters()])
+    assert results[True][:2] == results[False][:2] == ((14 if policy == "stop" else 1), 15)
+    for got, want in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def _dt_moa(backend: str, gate: str = "softmax", device="cpu"):
@@ -91,7 +156,7 @@ def _dt_batches(count: int, config) -> list[dict]:
     return batches
 
 
-@pytest.mark.parametrize("backend", _cpu_backends())
+@pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("gate", ["softmax", "sigmoid", "linear"])
 def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend, gate):
     """icrl-markov's step (the DT with MoA): its input range checks were host reads (``int(x.max())``)."""
@@ -102,75 +167,14 @@ def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend,
     autocast = torch.autocast("cpu", enabled=False)
     with gpu_value_checks(), HostReadDetector() as detector:
         for batch in _dt_batches(2, model.config):
-            loss = dt_train_step(model, optimizer, batch, 1.0, autocast)
+            stats = dt_train_step(model, optimizer, batch, 1.0, autocast)
     assert not detector.reads, f"the DT-MoA training step reads device values on the host: {detector.reads}"
-    assert loss.shape == () and torch.isfinite(loss)
-
-
-class _RaisingHostReadDetector(HostReadDetector):
-    """torch's sync-debug mode ``"error"`` on the CPU: the first host read raises, at the line that reads."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.reads:
-            raise RuntimeError(f"called a synchronizing CUDA operation (emulated): {self.reads[0]}")
-        return result
-
-
-class _EmulatedGraph:
-    def __init__(self, record, output):
-        self.record, self.output = record, output
-
-    def replay(self):
-        self.output.copy_(self.record())
-
-
-class _EmulatedGraphs:
-    """``cuda_graphs._CudaGraphs`` on the CPU, so that :class:`~icrl_models.cuda_graphs.GraphedTrainStep` runs its
-    whole procedure here (warm-up, sync-debug step, restore, capture, failure clean-up, replays): torch's
-    sync-debug mode is the host-read detector raising at the first read; a "capture" runs the step once under
-    the same detector (a host read invalidates a real capture) and then undoes it (a real capture runs nothing);
-    a "replay" runs the step on the static inputs. What a real capture adds (recording kernels) needs a GPU."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer, self.captures = model, optimizer, 0
-
-    def __call__(self, device, generators=()):  # stands in for the class: _CudaGraphs(device, generators)
-        return self
-
-    @contextlib.contextmanager
-    def side_stream(self):
-        yield
-
-    def host_syncs_raise(self):
-        return _RaisingHostReadDetector()
-
-    def generator_states(self):
-        return [torch.get_rng_state()]
-
-    def restore_generator_states(self, states):
-        torch.set_rng_state(states[0])
-
-    def capture(self, record):
-        self.captures += 1
-        saved, rng = cuda_graphs._snapshot(self.model, self.optimizer), torch.get_rng_state()
-        try:
-            with _RaisingHostReadDetector():
-                output = record()
-        finally:
-            cuda_graphs._restore(saved, self.model, self.optimizer)
-            torch.set_rng_state(rng)
-        graph = _EmulatedGraph(record, output.detach().clone())
-        return graph, graph.output  # the static output, overwritten by each replay
-
-    def install(self, monkeypatch):
-        monkeypatch.setattr(cuda_graphs, "_CudaGraphs", self)
-        return self
+    assert stats.shape == (2,) and torch.isfinite(stats).all()  # loss, gradient norm
 
 
 @pytest.mark.parametrize("model, env", MODELS)
 def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
-    capturable_on_cpu, monkeypatch, tmp_path, model, env
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, tmp_path, model, env
 ):
     """StepRunner's graphed path (static inputs by name, warm-up on the first batch with a sync-debug step,
     restored, then the capture and the replays) around icrl-train's step trains exactly as its eager path, for
@@ -187,7 +191,7 @@ def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
         net = config.build_model(histories)
         optimizer = torch.optim.AdamW(net.parameters(), 1e-2)
         prepare_capturable(optimizer)
-        graphs = _EmulatedGraphs(net, optimizer).install(monkeypatch)
+        graphs = emulated_cuda_graphs(net, optimizer)
         runner = cuda_graphs.StepRunner(
             lambda batch, n=net, o=optimizer: train_step(n, n, o, batch, config, autocast), net, optimizer,
             torch.device("cpu"),
@@ -223,7 +227,9 @@ def _linear_step(model, optimizer, *, read_on_call=None):
 
 
 @pytest.mark.parametrize("read_on_call, where", [(3, "sync-debug warm-up step"), (4, "capture")])
-def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu, monkeypatch, read_on_call, where):
+def test_a_failed_capture_raises_one_error_and_changes_nothing(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, read_on_call, where
+):
     """A host read in the step fails the capture with one CaptureError, whether the sync-debug warm-up step
     (the third of three) or the capture itself (the fourth call) meets it; the model, the optimiser state and
     the random generator are as before the attempt; StepRunner does not try again."""
@@ -232,7 +238,7 @@ def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu
     optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
     prepare_capturable(optimizer)
     step, calls = _linear_step(model, optimizer, read_on_call=read_on_call)
-    graphs = _EmulatedGraphs(model, optimizer).install(monkeypatch)
+    graphs = emulated_cuda_graphs(model, optimizer)
     batch = {"x": torch.randn(4, 3)}
     before = {name: t.clone() for name, t in model.state_dict().items()}
     rng_before = torch.get_rng_state()
@@ -249,6 +255,52 @@ def test_a_failed_capture_raises_one_error_and_changes_nothing(capturable_on_cpu
     with pytest.raises(cuda_graphs.CaptureError):
         runner({"x": torch.randn(4, 3)})
     assert len(calls) == attempts, "a failed runner must not capture again"
+
+
+def test_auto_mode_falls_back_to_eager_steps_when_the_capture_fails(
+    emulated_cuda_graphs, capturable_on_cpu, monkeypatch, capsys
+):
+    """``--cuda-graph auto`` (StepRunner's ``fallback``): a failed capture prints one line and the run goes on
+    eagerly from the same state, so it trains exactly as an eager run."""
+    results = {}
+    for fallback in (None, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        step, _ = _linear_step(model, optimizer, read_on_call=3 if fallback else None)
+        runner = cuda_graphs.StepRunner(
+            lambda batch, step=step: step(batch["x"]), model, optimizer, torch.device("cpu"), fallback=bool(fallback)
+        )
+        if fallback:
+            emulated_cuda_graphs(model, optimizer)
+            runner.graphed = True
+        torch.manual_seed(1)
+        results[fallback] = torch.stack([runner({"x": torch.randn(4, 3)}) for _ in range(4)])
+    assert not runner.graphed and "training eagerly (--cuda-graph off skips this)" in capsys.readouterr().err
+    torch.testing.assert_close(results[True], results[None], rtol=0, atol=0)
+
+
+def test_cuda_graph_modes():
+    """auto graphs on CUDA unless something excludes it, on insists (or notes that it is ignored off CUDA), off
+    never graphs; bools of older configs are on / off; the flag alone means on."""
+    from icrl_models.config import add_config_arguments, config_from_args, make_parser
+    from icrl_models.cuda_graphs import cuda_graph_mode, use_cuda_graph
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_cuda_graph("auto", cuda) and use_cuda_graph("on", cuda)
+    assert not use_cuda_graph("off", cuda) and not use_cuda_graph("auto", cpu)
+    assert not use_cuda_graph("auto", cuda, excluded="--compile excludes graphs")
+    with pytest.raises(ValueError, match="--compile excludes graphs"):
+        use_cuda_graph("on", cuda, excluded="--compile excludes graphs")
+    assert (cuda_graph_mode(True), cuda_graph_mode(False)) == ("on", "off")
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        cuda_graph_mode("yes")
+    parser = make_parser("icrl-train", None)
+    add_config_arguments(parser, TrainConfig)
+    for argv, mode in (([], "auto"), (["--cuda-graph"], "on"), (["--cuda-graph", "off"], "off")):
+        assert config_from_args(TrainConfig, parser.parse_args(argv)).cuda_graph == mode
+    assert TrainConfig(compile=True).cuda_graph == "auto"  # auto gives way to --compile: no error
 
 
 def test_capture_needs_two_warm_up_steps(capturable_on_cpu):
@@ -361,7 +413,7 @@ def test_cuda_graph_is_ignored_off_cuda_with_a_note(tmp_path, capsys):
     eager = _tiny(tmp_path / "eager", "ngram_ad", "dark_room", backend="eager", device="cpu")
     flagged = _tiny(tmp_path / "flagged", "ngram_ad", "dark_room", backend="eager", device="cpu", cuda_graph=True)
     train(eager)
-    capsys.readouterr()
+    assert "cuda_graph" not in capsys.readouterr().err  # the default, auto: nothing to say off CUDA
     train(flagged)
     assert "cuda_graph: ignored on cpu" in capsys.readouterr().err
     assert [row["loss"] for row in _rows(flagged)] == [row["loss"] for row in _rows(eager)]

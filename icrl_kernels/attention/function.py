@@ -8,9 +8,9 @@ import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op
-from .._validation import KERNEL_FLOAT_DTYPES
+from . import reference
+from .checks import check_gated_attention_args
 from .eager import gated_attention_eager
-from .reference import check_gated_attention_args, gated_attention_reference
 
 
 def _forward(
@@ -101,7 +101,7 @@ def gated_attention(
 
     On the Triton backend one flash-attention kernel does all of it: the keys are smeared as its tiles
     are loaded and each head's output is gated before its only store, so neither the smeared keys nor the
-    ungated heads reach memory (the eager path writes both; see :mod:`icrl_kernels.attention.cost`).
+    ungated heads reach memory (the eager path writes both; see :mod:`benchmarks.cost.attention`).
     Apply any positional rotation (RoPE) to ``q`` and ``k`` before the call.
 
     Args:
@@ -125,16 +125,36 @@ def gated_attention(
         ``backend="triton"`` fp64 inputs or a head dim above 128.
     """
     check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
-    impl = resolve_backend(backend, q.device)
+    named = {"q": q, "k": k, "v": v, "gate_logits": gate_logits, "smear_alpha": smear_alpha}
+    impl = resolve_backend(backend, q.device, kernel_inputs=named)
     if impl == "reference" or q.numel() == 0:  # nothing to launch for an empty batch, head or sequence
-        return gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)
+        return reference.gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)
     if impl == "eager":
         return gated_attention_eager(q, k, v, gate_logits, gate, smear_alpha, backend="eager")
-    named = (("q", q), ("k", k), ("v", v), ("gate_logits", gate_logits), ("smear_alpha", smear_alpha))
-    for name, tensor in named:
-        if tensor is not None and tensor.dtype not in KERNEL_FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32 for backend='triton', got {tensor.dtype}")
     if q.shape[-1] > 128:  # one head row is one register tile; wider heads would need a loop over Dh
         raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
     out, _ = gated_attention_op(q, k, v, gate_logits, smear_alpha, gate, impl)
     return out
+
+
+def gated_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate_logits: torch.Tensor | None = None,
+    *,
+    gate: str = "softmax",
+    smear_alpha: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The readable fp32 reference of :func:`gated_attention` (:func:`.reference.gated_attention_reference`,
+    the op's spec: dense causal attention between the smeared-keys and gating references) behind the same
+    argument checks: plain PyTorch ops, differentiated by autograd.
+
+    Returns:
+        ``[B, L, H * Dh]`` in ``q.dtype``, computed in fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`gated_attention`.
+    """
+    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
+    return reference.gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)

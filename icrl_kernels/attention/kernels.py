@@ -41,9 +41,9 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from ..moa.checks import GATES
 from ..moa.kernels import _gate_weights
-from ..moa.reference import GATES
 
 #: softmax 0, sigmoid 1, linear 2 (as ``mixture_of_heads``' kernels), no gate 3.
 GATE_CODES = {**{name: code for code, name in enumerate(GATES)}, None: len(GATES)}
@@ -84,7 +84,7 @@ _TILE_ELEMENTS = 4096
 
 def head_block(head_dim: int) -> int:
     """``BLOCK_D``: the head width padded to a power of two, at least 16 (every ``tl.dot`` dim >= 16)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 @triton.jit
@@ -382,8 +382,8 @@ def _launch_attention(kernel, tiles: str, dtype: torch.dtype, grid):
 
 
 def _preprocess_blocks(heads: int, head_dim: int) -> dict:
-    block_h = triton.next_power_of_2(heads)
-    block_d = min(triton.next_power_of_2(head_dim), 128, max(16, _TILE_ELEMENTS // block_h))
+    block_h = next_power_of_2(heads)
+    block_d = min(next_power_of_2(head_dim), 128, max(16, _TILE_ELEMENTS // block_h))
     block_r = max(1, min(64, _TILE_ELEMENTS // (block_h * block_d)))
     return {"BLOCK_R": block_r, "BLOCK_H": block_h, "BLOCK_D": block_d}
 
@@ -422,14 +422,14 @@ def gated_attention_forward_triton(
     sm_scale = head_dim**-0.5
 
     def grid(meta):
-        return triton.cdiv(length, meta["BLOCK_M"]), batch * heads
+        return cdiv(length, meta["BLOCK_M"]), batch * heads
 
     _launch_attention(_gated_attention_forward_kernel, "forward", q.dtype, grid)(
         q, k, v, gate_arg, alpha_arg, out, lse,
         heads, length, head_dim, sm_scale * _LOG2E,
         *q.stride(), *k.stride(), *v.stride(), *gate_strides,
         size_bucket(length),
-        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=head_block(head_dim),
+        BLOCK_H=next_power_of_2(heads), BLOCK_D=head_block(head_dim),
         **_flags(q, gate_logits, smear_alpha, gate),
     )  # fmt: skip
     return out, lse
@@ -458,7 +458,7 @@ def gated_attention_backward_triton(
     gate_arg = gate_logits if gated else q
     gate_strides = gate_logits.stride() if gated else (0, 0, 0)
     blocks = _preprocess_blocks(heads, head_dim)
-    launch(_gated_attention_backward_preprocess_kernel, (triton.cdiv(batch * length, blocks["BLOCK_R"]),))(
+    launch(_gated_attention_backward_preprocess_kernel, (cdiv(batch * length, blocks["BLOCK_R"]),))(
         grad_out, out, gate_arg, delta, weights, grad_gate if gated else delta,
         batch * length, length, heads, head_dim,
         *grad_out.stride(), *gate_strides,
@@ -479,10 +479,10 @@ def gated_attention_backward_triton(
     constexprs = {**flags, "BLOCK_D": head_block(head_dim)}
 
     def grid_keys(meta):
-        return triton.cdiv(length, meta["BLOCK_N"]), batch * heads
+        return cdiv(length, meta["BLOCK_N"]), batch * heads
 
     def grid_queries(meta):
-        return triton.cdiv(length, meta["BLOCK_M"]), batch * heads
+        return cdiv(length, meta["BLOCK_M"]), batch * heads
 
     _launch_attention(_gated_attention_backward_dkdv_kernel, "dkdv", q.dtype, grid_keys)(
         q, k, v, alpha_arg, grad_out, weights, lse, delta, grad_k, grad_v, *common, **constexprs

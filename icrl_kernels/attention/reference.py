@@ -7,7 +7,9 @@
         out[b, l, h * Dh + d] = G[b, l, h] O[b, h, l, d]; without gate_logits G = 1 (a plain head merge)
 
 It composes the two existing references (smeared keys, Mixture-of-Attention gating) around a dense
-causal softmax attention, so the fused kernel and the separate ops share one definition.
+causal softmax attention, so the fused kernel and the separate ops share one definition. The functions
+here take checked arguments (:mod:`.checks`); the public, checked reference is
+:func:`icrl_kernels.gated_attention_reference`.
 
 Gradients used by the kernels (``Y_h`` the gated output of head ``h`` in a row, ``dY_h`` its gradient,
 ``D_h = <dY_h, Y_h>``, ``G`` the gate weights of the row):
@@ -25,48 +27,15 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import FLOAT_DTYPES, check_choice, check_same_device, check_shape, check_tensor
-from ..moa.reference import GATES, mixture_of_heads_reference
+from .._library import compute_dtype
+from ..moa.reference import mixture_of_heads_reference
 from ..smeared.reference import smeared_keys_reference
-
-
-def check_gated_attention_args(
-    q: object, k: object, v: object, gate_logits: object, gate: object, smear_alpha: object
-) -> None:
-    """The argument checks of :func:`gated_attention` and its reference (shapes, dtypes, devices only).
-
-    Raises:
-        TypeError: a non-tensor or non-float input, ``q``, ``k``, ``v`` of different dtypes.
-        ValueError: a wrong rank or shape, tensors on different devices, an unknown ``gate``.
-    """
-    check_tensor(q, "q", ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor(k, "k", ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor(v, "v", ndim=4, dtypes=FLOAT_DTYPES)
-    check_shape(k, "k", tuple(q.shape), "q.shape, [B, H, L, Dh]")
-    check_shape(v, "v", tuple(q.shape), "q.shape, [B, H, L, Dh]")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}")
-    devices = {"q": q, "k": k, "v": v}
-    batch, heads, length, _ = q.shape
-    if gate_logits is not None:
-        check_tensor(gate_logits, "gate_logits", ndim=3, dtypes=FLOAT_DTYPES)
-        check_shape(
-            gate_logits, "gate_logits", (batch, length, heads), "(q.shape[0], q.shape[2], q.shape[1]), [B, L, H]"
-        )
-        devices["gate_logits"] = gate_logits
-    if smear_alpha is not None:
-        check_tensor(smear_alpha, "smear_alpha", ndim=1, dtypes=FLOAT_DTYPES)
-        check_shape(smear_alpha, "smear_alpha", (heads,), "(q.shape[1],), one logit per head")
-        devices["smear_alpha"] = smear_alpha
-    check_same_device(**devices)
-    check_choice(gate, "gate", GATES)
 
 
 def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Dense causal softmax attention ``softmax(q k^T / sqrt(Dh) + mask) v`` in fp32 (fp64 stays fp64);
     ``[B, H, L, Dh]`` in the compute dtype."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(q)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     length = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -95,11 +64,7 @@ def gated_attention_reference(
         ``[B, L, H * Dh]`` in ``q.dtype``; the math in fp32 (fp64 for fp64 inputs), differentiable by autograd
         w.r.t. every tensor input. The smeared keys are rounded to ``k.dtype`` (as :func:`smeared_keys_reference`
         returns them), which is what the kernels feed their dot products.
-
-    Raises:
-        ValueError/TypeError naming the argument (:func:`check_gated_attention_args`).
     """
-    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
     keys = k if smear_alpha is None else smeared_keys_reference(k, smear_alpha)
     heads = causal_attention_reference(q, keys, v).transpose(1, 2)  # [B, L, H, Dh]
     if gate_logits is None:

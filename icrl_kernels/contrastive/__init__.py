@@ -1,8 +1,13 @@
 """Contrastive action scoring (Headless-AD): orthonormal action maps, fused InfoNCE, action selection."""
 
 from .embeddings import OvercompleteEmbeddingWarning, orthonormal_embeddings
-from .function import infonce_loss, select_actions
-from .reference import action_logits_reference, infonce_loss_reference, select_actions_reference
+from .function import (
+    action_logits_reference,
+    infonce_loss,
+    infonce_loss_reference,
+    select_actions,
+    select_actions_reference,
+)
 
 __all__ = [
     "OvercompleteEmbeddingWarning",

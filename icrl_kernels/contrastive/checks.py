@@ -1,9 +1,8 @@
-"""Argument checks of the contrastive ops, shared by the public functions and the references.
+"""Argument checks of the contrastive ops, shared by the public functions and their checked references.
 
-A module of its own because ``function.py`` imports ``reference.py``: the references cannot import the
-public functions' checks from there without an import cycle. Shape, dtype and device checks read no
-tensor value; the value checks (targets in range, rows with an available action) go through
-``check_values`` or, from the per-row status a kernel wrote, ``check_status_codes`` (no host sync on CUDA).
+Shape, dtype and device checks read no tensor value; the value checks (targets in range, rows with an
+available action) go through ``check_values`` or, from the per-row status a kernel wrote,
+``check_status_codes`` (no host sync on CUDA).
 """
 
 from __future__ import annotations
@@ -15,6 +14,10 @@ import torch
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
+    check_choice,
+    check_generator,
+    check_int,
+    check_positive_float,
     check_same_device,
     check_status_codes,
     check_tensor,
@@ -106,6 +109,72 @@ def check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"targets must have shape pred.shape[:-1] = {want}, got {tuple(targets.shape)}")
     check_same_device(pred=pred, targets=targets)
     return targets
+
+
+class InfoNCEArgs(NamedTuple):
+    """The checked arguments of :func:`infonce_loss`: the canonical layout, int64 ``targets``, ``tau`` and
+    ``ignore_index`` as Python numbers."""
+
+    canonical: Canonical
+    targets: torch.Tensor
+    tau: float
+    ignore_index: int
+
+
+def check_infonce_args(
+    pred: object,
+    action_embeds: object,
+    targets: object,
+    *,
+    tau: object,
+    mask: object,
+    reduction: object,
+    ignore_index: object,
+) -> InfoNCEArgs:
+    """The argument checks of :func:`infonce_loss` and its reference (no tensor value is read).
+
+    Raises:
+        TypeError/ValueError naming the argument (see :func:`canonical`, :func:`check_targets`); ``tau``
+        not > 0 and finite, an unknown ``reduction``, a non-int ``ignore_index``.
+    """
+    canonical_inputs = canonical(pred, action_embeds, mask)
+    targets = check_targets(targets, pred)
+    tau = check_positive_float(tau, "tau")
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ignore_index = check_int(ignore_index, "ignore_index")
+    # int64 before comparing with ignore_index: -100 would wrap around in uint8.
+    return InfoNCEArgs(canonical_inputs, targets.long(), tau, ignore_index)
+
+
+def check_select_actions_args(
+    pred: object, action_embeds: object, *, mode: object, tau: object, mask: object, generator: object
+) -> tuple[Canonical, float]:
+    """The argument checks of :func:`select_actions` (no tensor value is read); return the canonical
+    layout and ``tau`` as a float.
+
+    Raises:
+        TypeError/ValueError naming the argument (see :func:`canonical`); an unknown ``mode``, ``tau`` not
+        > 0 and finite, a ``generator`` that is not a ``torch.Generator``.
+    """
+    canonical_inputs = canonical(pred, action_embeds, mask)
+    check_choice(mode, "mode", SELECTION_MODES)
+    tau = check_positive_float(tau, "tau")
+    check_generator(generator)
+    return canonical_inputs, tau
+
+
+def check_gumbel(gumbel: object, pred: torch.Tensor, action_embeds: torch.Tensor) -> None:
+    """``gumbel`` (of the reference selection): None, or float noise broadcastable to the logits
+    ``pred.shape[:-1] + (A,)``."""
+    if gumbel is None:
+        return
+    check_tensor(gumbel, "gumbel", dtypes=FLOAT_DTYPES)
+    logits_shape = tuple(pred.shape[:-1]) + (action_embeds.shape[-2],)
+    broadcasts = gumbel.dim() <= len(logits_shape) and all(
+        size in (1, want) for size, want in zip(reversed(gumbel.shape), reversed(logits_shape))
+    )
+    if not broadcasts:
+        raise ValueError(f"gumbel must broadcast to the logits' shape {logits_shape}, got {tuple(gumbel.shape)}")
 
 
 def check_rows_have_actions(mask: torch.Tensor | None) -> None:

@@ -174,3 +174,12 @@ def gumbel_noise(shape, *, generator=None, device=None) -> torch.Tensor:
     draw_device = generator.device if generator is not None else device
     uniform = torch.rand(shape, generator=generator, device=draw_device).to(device).clamp_(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(uniform))
+
+
+def reduce_row_losses(losses: torch.Tensor, targets: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
+    """``"none"``: the per-row losses; ``"sum"``; ``"mean"``: over the rows whose target is not ignored."""
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / (targets != ignore_index).sum()

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from .._validation import check_bool, check_generator, check_int
+from .._validation import check_bool, check_device, check_generator, check_int
 
 
 class OvercompleteEmbeddingWarning(UserWarning):
@@ -54,14 +54,8 @@ def orthonormal_embeddings(
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {type(dtype).__name__} {dtype!r}")
     if not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
-    if device is None:
-        device = generator.device if generator is not None else torch.device("cpu")
-    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
-        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
-    try:
-        device = torch.device(device)
-    except RuntimeError as error:  # an unknown device string: torch's message lists the valid types
-        raise ValueError(f"device must name a device, got {device!r}: {error}") from None
+    device = check_device(generator.device if generator is not None else "cpu") if device is None else device
+    device = check_device(device)
     if num_actions > dim:
         message = (
             f"num_actions ({num_actions}) > dim ({dim}): action embeddings cannot be orthonormal; the columns "

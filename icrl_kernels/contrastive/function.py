@@ -8,25 +8,29 @@ import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op, inference_op
-from .._validation import (
-    KERNEL_FLOAT_DTYPES,
-    check_choice,
-    check_int,
-    check_positive_float,
-)
+from .._validation import check_positive_float, check_values
+from . import reference
+from .algorithm_ops import infonce_loss_by_algorithm, select_actions_by_algorithm_op
+from .algorithms import FUSED, infonce_algorithm, select_algorithm
 from .checks import (
     IGNORE_INDEX,
-    REDUCTIONS,
-    SELECTION_MODES,
+    NAN_LOGIT_MESSAGE,
     canonical,
+    check_gumbel,
+    check_infonce_args,
     check_row_status,
     check_rows_have_actions,
+    check_select_actions_args,
     check_selection_status,
     check_target_values,
-    check_targets,
 )
-from .eager import infonce_backward_eager, infonce_forward_eager, select_actions_eager
-from .reference import infonce_loss_reference, reduce_row_losses, select_actions_reference
+from .eager import (
+    gumbel_noise,
+    infonce_backward_eager,
+    infonce_forward_eager,
+    reduce_row_losses,
+    select_actions_eager,
+)
 
 
 def _padded_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -161,13 +165,6 @@ def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch
 
 
 # -- public functions ------------------------------------------------------------------------------
-def _resolve(backend: str, pred: torch.Tensor) -> str:
-    impl = resolve_backend(backend, pred.device)
-    if impl == "triton" and pred.dtype not in KERNEL_FLOAT_DTYPES:
-        raise TypeError(f"pred must be float16, bfloat16 or float32 for backend='triton', got {pred.dtype}")
-    return impl
-
-
 def infonce_loss(
     pred: torch.Tensor,
     action_embeds: torch.Tensor,
@@ -180,7 +177,8 @@ def infonce_loss(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Contrastive (InfoNCE) action loss of Headless-AD: cross-entropy of ``targets`` under
-    ``softmax_a(pred . e_a / tau)`` over the available actions, fused (the logits never reach memory).
+    ``softmax_a(pred . e_a / tau)`` over the available actions, fused (the ``N x A`` logits never reach
+    memory; on the Triton backend the algorithm is chosen by ``A``: docs/ops.md, "Algorithms").
 
     Args:
         pred: predicted action embeddings ``[N, D]`` or ``[B, T, D]`` (``[B, D]`` or ``[B, T, D]`` with
@@ -203,7 +201,11 @@ def infonce_loss(
 
     Precision: the gradients are computed in fp32 (every scale, ``1 / tau``, the upstream gradient and the
     mean's ``1 / N``, applied in fp32) and rounded once to the input dtype, so fp16/bf16 gradients are as
-    accurate as the fp32 gradient rounded to that dtype. fp16 training still needs loss scaling, as
+    accurate as the fp32 gradient rounded to that dtype. (With ``"mean"``/``"sum"``, the Triton algorithms other
+    than the fused kernels compute the gradients in the forward for an upstream gradient of 1 and multiply them
+    by the actual one in the backward: exact for 1 or a power of two (as loss scaling uses) short of fp16's
+    subnormal range, one more rounding otherwise.) fp16
+    training still needs loss scaling, as
     anywhere: with ``reduction="mean"`` each row's gradient carries ``1 / N``, and at N = 65536 most of
     ``grad_pred`` lies in fp16's subnormal range (below 6.1e-5), where it keeps only a few bits.
 
@@ -212,20 +214,24 @@ def infonce_loss(
             mask allows no action. TypeError: wrong dtypes. The value checks (targets, mask rows) run on
             the device: on CUDA they are asynchronous device asserts (see ``set_value_checks``).
     """
-    canonical_inputs = canonical(pred, action_embeds, mask)
-    targets = check_targets(targets, pred)
-    tau = check_positive_float(tau, "tau")
-    check_choice(reduction, "reduction", REDUCTIONS)
-    ignore_index = check_int(ignore_index, "ignore_index")
-    impl = _resolve(backend, pred)
-    targets = targets.long()  # before comparing with ignore_index: -100 would wrap around in uint8
+    canonical_inputs, targets, tau, ignore_index = check_infonce_args(
+        pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
+    )
+    # action_embeds has pred's dtype (checked): pred stands for both.
+    impl = resolve_backend(backend, pred.device, kernel_inputs={"pred": pred})
+    if impl == "reference":
+        return _checked_infonce_reference(canonical_inputs, pred, action_embeds, targets, tau, mask, reduction,
+                                          ignore_index)  # fmt: skip
     targets2 = targets.reshape(canonical_inputs.pred.shape[:2])
-    if impl == "reference":  # the reference runs the same checks, the value checks included
-        return infonce_loss_reference(
-            pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
-        )
     # Triton: a padded copy of a misaligned mask, made once per call (the backward reuses the saved one).
     mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
+    algorithm = infonce_algorithm(action_embeds.shape[-2], pred.dtype) if impl == "triton" else FUSED
+    if algorithm != FUSED:  # chosen by the number of actions (algorithms.py)
+        loss = infonce_loss_by_algorithm(
+            canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), targets2.contiguous(), mask3,
+            tau, ignore_index, reduction, algorithm,
+        )  # fmt: skip
+        return loss.reshape(targets.shape) if reduction == "none" else loss
     losses = infonce_op(
         canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), targets2.contiguous(), mask3,
         tau, ignore_index, impl,
@@ -263,25 +269,117 @@ def select_actions(
     Returns:
         int64 action ids of shape ``pred.shape[:-1]``.
     """
-    canonical_inputs = canonical(pred, action_embeds, mask)
-    check_choice(mode, "mode", SELECTION_MODES)
-    tau = check_positive_float(tau, "tau")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-    impl = _resolve(backend, pred)
+    canonical_inputs, tau = check_select_actions_args(
+        pred, action_embeds, mode=mode, tau=tau, mask=mask, generator=generator
+    )
+    impl = resolve_backend(backend, pred.device, kernel_inputs={"pred": pred})
     sample = mode == "sample"
-    if impl == "reference":  # the reference checks the mask rows itself
+    if impl == "reference":
         gumbel = None
         if sample:
-            from .eager import gumbel_noise
-
             shape = tuple(pred.shape[:-1]) + (action_embeds.shape[-2],)
             gumbel = gumbel_noise(shape, generator=generator, device=pred.device)
+        # The checked spec: rows without an action, and NaN logits of available actions, raise there.
         return select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)
     # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
     seed = _draw_seed(generator, pred.device) if sample else torch.zeros(1, dtype=torch.int64, device=pred.device)
     mask3 = _padded_mask(canonical_inputs.mask) if impl == "triton" else canonical_inputs.mask
-    actions = select_actions_op(
-        canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), mask3, tau, sample, seed, impl
-    )
+    inputs = (canonical_inputs.pred.contiguous(), canonical_inputs.embeds.contiguous(), mask3, tau, sample, seed)
+    algorithm = select_algorithm(action_embeds.shape[-2], pred.dtype) if impl == "triton" else FUSED
+    if algorithm != FUSED:  # GEMM chunks (algorithms.py)
+        actions = select_actions_by_algorithm_op(*inputs, algorithm)
+    else:
+        actions = select_actions_op(*inputs, impl)
     return actions.reshape(pred.shape[:-1])
+
+
+# -- checked references ----------------------------------------------------------------------------
+def _checked_infonce_reference(canonical_inputs, pred, action_embeds, targets, tau, mask, reduction, ignore_index):
+    """:func:`.reference.infonce_loss_reference` on checked arguments, after the value checks the op runs."""
+    check_rows_have_actions(canonical_inputs.mask)
+    targets2 = targets.reshape(canonical_inputs.pred.shape[:2])
+    check_target_values(targets2, canonical_inputs.mask, action_embeds.shape[-2], ignore_index)
+    return reference.infonce_loss_reference(
+        pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
+    )
+
+
+def action_logits_reference(
+    pred: torch.Tensor, action_embeds: torch.Tensor, *, tau: float = 1.0, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """fp32 logits ``pred . e_a / tau``, ``-inf`` where ``mask`` is False (:func:`.reference.action_logits_reference`),
+    behind :func:`infonce_loss`'s checks of these arguments.
+
+    Returns:
+        ``pred.shape[:-1] + (A,)`` float32.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`infonce_loss` (shapes, dtypes, devices, tau).
+    """
+    canonical(pred, action_embeds, mask)
+    tau = check_positive_float(tau, "tau")
+    return reference.action_logits_reference(pred, action_embeds, tau=tau, mask=mask)
+
+
+def infonce_loss_reference(
+    pred: torch.Tensor,
+    action_embeds: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """The readable fp32 reference of :func:`infonce_loss` (:func:`.reference.infonce_loss_reference`, the
+    spec: dense logits and ``F.cross_entropy``) behind the same checks.
+
+    Returns:
+        float32: a scalar for ``"mean"`` / ``"sum"``, ``pred.shape[:-1]`` for ``"none"``.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`infonce_loss`: shapes, dtypes, devices,
+        ``tau``, ``reduction``, ``ignore_index``; targets out of range or unavailable and mask rows with
+        no action through ``check_values`` (an asynchronous device assert on CUDA).
+    """
+    canonical_inputs, targets, tau, ignore_index = check_infonce_args(
+        pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction, ignore_index=ignore_index
+    )
+    return _checked_infonce_reference(canonical_inputs, pred, action_embeds, targets, tau, mask, reduction,
+                                      ignore_index)  # fmt: skip
+
+
+def select_actions_reference(
+    pred: torch.Tensor,
+    action_embeds: torch.Tensor,
+    *,
+    tau: float = 1.0,
+    mask: torch.Tensor | None = None,
+    gumbel: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``argmax_a (logits + gumbel)`` (:func:`.reference.select_actions_reference`, the spec of
+    :func:`select_actions`; ``gumbel=None``: plain argmax, the lowest index among ties) behind its checks.
+
+    Args:
+        pred, action_embeds, tau, mask: as in :func:`infonce_loss`.
+        gumbel: float noise broadcastable to the logits ``pred.shape[:-1] + (A,)``, or None.
+
+    Returns:
+        int64 action ids of shape ``pred.shape[:-1]``.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`select_actions`; through ``check_values``: a
+        mask row with no available action, and a NaN logit of an available action (NaN in ``pred`` or
+        ``action_embeds``; NaN only in the embedding of an action no row may take is harmless).
+    """
+    canonical_inputs = canonical(pred, action_embeds, mask)
+    tau = check_positive_float(tau, "tau")
+    check_rows_have_actions(canonical_inputs.mask)
+    check_gumbel(gumbel, pred, action_embeds)
+    logits = reference.action_logits_reference(pred, action_embeds, tau=tau, mask=mask)  # -inf where masked
+    check_values(
+        logits.isnan().any(),
+        NAN_LOGIT_MESSAGE,  # the details as check_selection_status gives them
+        lambda: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(action_embeds.isnan().any())}",
+    )
+    return reference.select_actions_reference(pred, action_embeds, tau=tau, mask=mask, gumbel=gumbel)

@@ -27,30 +27,13 @@ logits tile ``[BLOCK_N, BLOCK_A]`` is a ``tl.dot`` over ``D`` in chunks of ``BLO
   NaN logit; ``checks.check_selection_status``).
 
 So every ``(row tile, action tile)`` softmax gradient is computed once per gradient kernel, never once
-per output-column block. Passes over the logits (each ``2 N A D`` FLOPs; the reads of ``pred``):
-
-=====================  ===========================================  ==============================
-                       before (column blocks of 256 / 128)           now (full-width accumulators)
-=====================  ===========================================  ==============================
-forward                1                                             1
-grad_pred              ceil(D / 256) recomputes + 1 dot              1 recompute + 1 dot
-grad_embeds            ceil(D / 128) recomputes + 1 dot              1 recompute + 1 dot
-total, D = 512         1 + 2 + 4 = 7 logits passes + 2 dots (= 9)    1 + 1 + 1 = 3 + 2 dots (= 5)
-total, D = 1024        1 + 4 + 8 = 13 + 2 dots (= 15)                3 + 2 dots (= 5)
-=====================  ===========================================  ==============================
-
+per output-column block: 3 logits passes and 2 gradient dots per forward + backward at any ``D`` (column
+blocks took 9 at D = 512, 15 at D = 1024; the history, with byte counts and predicted times:
+benchmarks/results/kernel-constants.md#infonce-logits-passes).
 The ideal is 4 (the forward's logits, the backward's recompute, two gradient dots); one fused backward
 could share the recompute, but ``grad_embeds`` then needs a cross-program reduction over rows per action
 (atomics, or fp32 partials of ``A x D`` per row tile: 16 GB at N = 65536, A = 4096), so we keep two
-kernels and pay one extra recompute. Bytes from HBM (bf16, N = 65536, D = 512, A = 125, shared map; a
-prediction, ``pred`` = 64 MiB): before, each column block of a backward kernel re-read ``pred`` for its
-logits: 1 (forward) + 2 (grad_pred) + 4 (grad_embeds) = 7 reads of ``pred`` plus the ``grad_pred`` write,
-~537 MB; now 1 + 1 + 1 (the ``grad_embeds`` dot reuses the rows its logits just read, and its action
-tiles of one row split run side by side, so their reads of ``pred`` hit L2) plus the write, ~270 MB,
-plus 2 x 17 MB of fp32 row-split partials (66 splits x 125 x 512 x 4 bytes). Predicted H100 times
-(3.35 TB/s, 800 TFLOP/s bf16; predictions, not measurements): A = 125, bytes-bound, ~170 us before and
-~90 us now against a roofline of 61 us (203 MB minimal); A = 4096, FLOP-bound (2 N A D = 275 GFLOP a
-pass), 9 passes = 3.1 ms before, 5 passes = 1.7 ms now, against 4 passes = 1.37 ms.
+kernels and pay one extra recompute.
 
 Precision: fp16/bf16 tiles go to ``tl.dot`` in their own dtype with fp32 accumulation (tensor cores).
 The backward dots take the *unscaled* ``softmax - one_hot`` (values in [-1, 1]) cast to the input dtype,
@@ -73,7 +56,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
 from . import checks
 
 # The forward's per-row status codes (checks.check_row_status reads them).
@@ -212,6 +195,68 @@ def _softmax_minus_one_hot(logits, row_lse, targets, actions):
     return probs - tl.where(hit, 1.0, 0.0)
 
 
+@triton.jit
+def _online_logsumexp(running_max, running_sum, logits):
+    """One logits tile's update of each row's running max and sum of ``exp(logit - max)`` (the online
+    log-sum-exp of the forward kernels)."""
+    new_max = tl.maximum(running_max, tl.max(logits, axis=1))
+    # A row whose actions so far are all unavailable keeps max -inf; shift by 0 to avoid inf - inf.
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
+    return new_max, running_sum
+
+
+@triton.jit
+def _store_row_results(
+    lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, running_max, running_sum, target_logit,
+    available_actions, target_available, A, ignore_index, HAS_MASK: tl.constexpr,
+):  # fmt: skip
+    """Store each row's log-sum-exp, loss and status of the value checks (``checks.ROW_*``) from its
+    online statistics; return the log-sum-exp."""
+    # Rows past the end, or whose mask allows no action, have sum 0: log(1) keeps the log finite (the
+    # lse is then running_max = -inf, or not stored); a NaN sum stays NaN.
+    lse = running_max + tl.log(tl.where(running_sum == 0, 1.0, running_sum))
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit), mask=row_ok)
+    used = targets != ignore_index
+    out_of_range = used & ((targets < 0) | (targets >= A))
+    status = tl.where(out_of_range, ROW_TARGET_OUT_OF_RANGE, 0)
+    if HAS_MASK:
+        status = tl.where(used & ~out_of_range & (target_available == 0), ROW_TARGET_UNAVAILABLE, status)
+        status = tl.where(available_actions == 0, ROW_NO_ACTION, status)
+    tl.store(status_ptr + rows, status.to(tl.int8), mask=row_ok)
+    return lse
+
+
+@triton.jit
+def _store_single_tile_grad(
+    grad_rows, embeds, grad_logits, row_scale, row_ok, actions, A, D, stride_ea,
+    HALF_DOT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """``grad[r] = row_scale[r] * sum_a grad_logits[r, a] e_a`` for a whole action set held in one tile:
+    one dot per output chunk of ``BLOCK_D`` columns, stored at once (no accumulator across action tiles,
+    so no width limit). ``grad_logits`` is the unscaled ``softmax - one_hot`` (fp32); ``row_scale`` is
+    applied in fp32 to the fp32 result (module doc, precision)."""
+    grad_half = grad_logits.to(embeds.dtype.element_ty)
+    for d_start in range(0, D, BLOCK_D):
+        dims = d_start + tl.arange(0, BLOCK_D)
+        dim_ok = dims < D
+        e = tl.load(
+            embeds + actions[:, None].to(tl.int64) * stride_ea + dims[None, :],
+            mask=(actions < A)[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        if HALF_DOT:
+            out = tl.dot(grad_half, e)
+        else:
+            out = tl.dot(grad_logits, e.to(tl.float32), input_precision="ieee")
+        tl.store(
+            grad_rows[:, None] + dims[None, :],
+            (out * row_scale[:, None]).to(grad_rows.dtype.element_ty),
+            mask=row_ok[:, None] & dim_ok[None, :],
+        )
+
+
 @autotune(_ROW_CONFIGS, key=["A", "D", "SIZE_BUCKET"])
 @triton.jit
 def _infonce_forward_kernel(
@@ -250,23 +295,11 @@ def _infonce_forward_kernel(
             )  # fmt: skip
             available_actions += tl.sum(available.to(tl.int32), axis=1)
             target_available += tl.sum((hit & available).to(tl.int32), axis=1)
-        new_max = tl.maximum(running_max, tl.max(logits, axis=1))
-        # A row whose actions so far are all unavailable keeps max -inf; shift by 0 to avoid inf - inf.
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(logits - shift[:, None]), axis=1)
-        running_max = new_max
-    # Rows past the end, or whose mask allows no action, have sum 0: log(1) keeps the log finite (the
-    # lse is then running_max = -inf, or not stored); a NaN sum stays NaN.
-    lse = running_max + tl.log(tl.where(running_sum == 0, 1.0, running_sum))
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
-    tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit), mask=row_ok)
-    used = targets != ignore_index
-    out_of_range = used & ((targets < 0) | (targets >= A))
-    status = tl.where(out_of_range, ROW_TARGET_OUT_OF_RANGE, 0)
-    if HAS_MASK:
-        status = tl.where(used & ~out_of_range & (target_available == 0), ROW_TARGET_UNAVAILABLE, status)
-        status = tl.where(available_actions == 0, ROW_NO_ACTION, status)
-    tl.store(status_ptr + rows, status.to(tl.int8), mask=row_ok)
+        running_max, running_sum = _online_logsumexp(running_max, running_sum, logits)
+    _store_row_results(
+        lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, running_max, running_sum, target_logit,
+        available_actions, target_available, A, ignore_index, HAS_MASK,
+    )  # fmt: skip
 
 
 @autotune(_GRAD_PRED_CONFIGS, key=["A", "D", "SIZE_BUCKET"])
@@ -302,24 +335,9 @@ def _infonce_grad_pred_kernel(
             HAS_MASK, HALF_DOT, BLOCK_N, BLOCK_A, BLOCK_D,
         )  # fmt: skip
         grad_logits = _softmax_minus_one_hot(logits, row_lse, targets, actions)
-        grad_half = grad_logits.to(embeds_ptr.dtype.element_ty)
-        for d_start in range(0, D, BLOCK_D):
-            dims = d_start + tl.arange(0, BLOCK_D)
-            dim_ok = dims < D
-            e = tl.load(
-                embeds + actions[:, None].to(tl.int64) * stride_ea + dims[None, :],
-                mask=(actions < A)[:, None] & dim_ok[None, :],
-                other=0.0,
-            )
-            if HALF_DOT:
-                out = tl.dot(grad_half, e)
-            else:
-                out = tl.dot(grad_logits, e.to(tl.float32), input_precision="ieee")
-            tl.store(
-                grad_rows[:, None] + dims[None, :],
-                (out * row_scale[:, None]).to(grad_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & dim_ok[None, :],
-            )
+        _store_single_tile_grad(
+            grad_rows, embeds, grad_logits, row_scale, row_ok, actions, A, D, stride_ea, HALF_DOT, BLOCK_D
+        )  # fmt: skip
     else:
         # Streamed actions: a [BLOCK_N, BLOCK_DO] accumulator spans the whole width (D <= MAX_DO), so each
         # logits tile is computed once; wider outputs take column blocks (grid axis 1), one pass each.
@@ -423,6 +441,7 @@ def _select_actions_kernel(
     row_ok = local < ROWS
     rows = group * ROWS + local
     embeds = embeds_ptr + group.to(tl.int64) * stride_eg
+    seed = 0
     if SAMPLE:
         seed = tl.load(seed_ptr)  # drawn on the device: no host read of the generator's state
     best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
@@ -438,25 +457,41 @@ def _select_actions_kernel(
         available = _available(
             mask_ptr, rows, row_ok, actions, T, A, MASK_COLS, stride_mb, stride_mt, stride_ma, HAS_MASK
         )  # fmt: skip
-        is_nan = scores != scores
-        saw_nan |= tl.max((is_nan & available).to(tl.int32), axis=1)
-        if SAMPLE:
-            # Gumbel-max: one Philox draw per (row, action), so the sample does not depend on tiling.
-            counter = rows[:, None].to(tl.int64) * A + actions[None, :]
-            uniform = tl.maximum(tl.rand(seed, counter), 1e-20)
-            scores += -tl.log(-tl.log(uniform))
-        # The choice is made among available actions only, whatever the values: NaN scores rank lowest
-        # (like -inf), and a row whose available scores are all -inf or NaN gets its first available
-        # action (the running best starts at "none", -1, not at action 0, which may be masked).
-        scores = tl.where(available & ~is_nan, scores, float("-inf"))
-        tile_best = tl.max(scores, axis=1)
-        tile_action = tl.min(
-            tl.where(available & (scores == tile_best[:, None]), actions[None, :], 2147483647), axis=1
-        ).to(tl.int64)  # the lowest id among ties, like torch.argmax
-        found = tile_action < 2147483647
-        better = found & ((best_action < 0) | (tile_best > best))  # strict: ties keep the lower id
-        best_action = tl.where(better, tile_action, best_action)
-        best = tl.where(better, tile_best, best)
+        best, best_action, saw_nan = _select_tile(
+            scores, available, rows, actions, A, seed, best, best_action, saw_nan, SAMPLE
+        )  # fmt: skip
+    _store_choice(out_ptr, status_ptr, rows, row_ok, best_action, saw_nan)
+
+
+@triton.jit
+def _select_tile(scores, available, rows, actions, A, seed, best, best_action, saw_nan, SAMPLE: tl.constexpr):
+    """One tile's update of each row's running choice: ``(best score, its action id, saw a NaN logit)``.
+
+    ``scores`` are the tile's logits (any value where ``available`` is False), ``actions`` their global ids
+    and ``rows`` the flat row ids (the Gumbel noise is a function of ``(seed, row * A + action)`` only)."""
+    is_nan = scores != scores
+    saw_nan |= tl.max((is_nan & available).to(tl.int32), axis=1)
+    if SAMPLE:
+        # Gumbel-max: one Philox draw per (row, action), so the sample does not depend on tiling.
+        counter = rows[:, None].to(tl.int64) * A + actions[None, :]
+        uniform = tl.maximum(tl.rand(seed, counter), 1e-20)
+        scores += -tl.log(-tl.log(uniform))
+    # The choice is made among available actions only, whatever the values: NaN scores rank lowest
+    # (like -inf), and a row whose available scores are all -inf or NaN gets its first available
+    # action (the running best starts at "none", -1, not at action 0, which may be masked).
+    scores = tl.where(available & ~is_nan, scores, float("-inf"))
+    tile_best = tl.max(scores, axis=1)
+    tile_action = tl.min(tl.where(available & (scores == tile_best[:, None]), actions[None, :], 2147483647), axis=1).to(
+        tl.int64
+    )  # the lowest id among ties, like torch.argmax
+    found = tile_action < 2147483647
+    better = found & ((best_action < 0) | (tile_best > best))  # strict: ties keep the lower id
+    return tl.where(better, tile_best, best), tl.where(better, tile_action, best_action), saw_nan
+
+
+@triton.jit
+def _store_choice(out_ptr, status_ptr, rows, row_ok, best_action, saw_nan):
+    """Store each row's chosen action (-1: none available) and its status (``checks.ROW_*``)."""
     tl.store(out_ptr + rows, best_action, mask=row_ok)
     status = tl.where(best_action < 0, ROW_NO_ACTION, tl.where(saw_nan != 0, ROW_NAN_LOGIT, 0))
     tl.store(status_ptr + rows, status.to(tl.int8), mask=row_ok)
@@ -475,9 +510,9 @@ def _block_a(num_actions: int, half_dot: bool, dim: int | None = None) -> int:
     (``[BLOCK_A, next_pow2(D)]``, 128 KB in bf16) fits in shared memory (227 KB on an H100; 128 actions
     x 1024 columns took 270 KB)."""
     if not half_dot:
-        return min(FMA_BLOCK_A, max(16, triton.next_power_of_2(num_actions)))
+        return min(FMA_BLOCK_A, max(16, next_power_of_2(num_actions)))
     if num_actions <= MAX_BLOCK_A or dim is None:
-        return min(MAX_BLOCK_A, max(16, triton.next_power_of_2(num_actions)))
+        return min(MAX_BLOCK_A, max(16, next_power_of_2(num_actions)))
     return max(16, min(STREAM_BLOCK_A, 65536 // _do_full(dim)))
 
 
@@ -486,17 +521,17 @@ def _block_a_embeds(num_actions: int, dim: int, half_dot: bool) -> int:
     32 K elements (128 registers a thread with 8 warps)."""
     if not half_dot:
         return FMA_BLOCK_A
-    cap = max(16, min(EMBEDS_BLOCK_A, 32768 // triton.next_power_of_2(dim)))
-    return min(cap, max(16, triton.next_power_of_2(num_actions)))
+    cap = max(16, min(EMBEDS_BLOCK_A, 32768 // next_power_of_2(dim)))
+    return min(cap, max(16, next_power_of_2(num_actions)))
 
 
 def _do_full(dim: int) -> int:
-    return max(16, triton.next_power_of_2(dim))
+    return max(16, next_power_of_2(dim))
 
 
 def _column_blocks(dim: int, max_do: int, half_dot: bool) -> int:
     """Column blocks of a backward launch (grid axis 1), as the kernels' ``BLOCK_DO`` splits ``D``."""
-    return triton.cdiv(dim, min(_do_full(dim), max_do if half_dot else FMA_MAX_DO.value))
+    return cdiv(dim, min(_do_full(dim), max_do if half_dot else FMA_MAX_DO.value))
 
 
 def _layout_args(pred, embeds, mask):
@@ -507,11 +542,15 @@ def _layout_args(pred, embeds, mask):
     batch, steps, _ = pred.shape
     groups = embeds.shape[0]  # 1 (shared map) or B (one map per sequence)
     rows = steps if groups > 1 else batch * steps
+    return groups, rows, mask_args(mask, pred)
+
+
+def mask_args(mask, stand_in: torch.Tensor):
+    """The canonical padded ``mask``'s ``(tensor, padded width, strides)`` as the kernels take them (a stride
+    of 0 where a dimension broadcasts); ``stand_in`` fills its place when there is no mask (never read)."""
     if mask is None:
-        mask_args = (pred, 16, 0, 0, 0)  # never read (HAS_MASK=False)
-    else:
-        mask_args = (mask, mask.shape[2], *(mask.stride(i) if mask.shape[i] > 1 else 0 for i in range(3)))
-    return groups, rows, mask_args
+        return stand_in, 16, 0, 0, 0
+    return (mask, mask.shape[2], *(mask.stride(i) if mask.shape[i] > 1 else 0 for i in range(3)))
 
 
 def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index: int):
@@ -527,7 +566,7 @@ def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index
     half_dot = _half_dot(pred.dtype)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_infonce_forward_kernel, grid)(
         pred, embeds, mask_t, targets, losses, lse, status,
@@ -541,7 +580,7 @@ def infonce_forward_triton(pred, embeds, targets, mask, tau: float, ignore_index
 
 def _num_splits(rows: int, tiles: int) -> int:
     """Row splits of ``grad_embeds``: enough programs for one per SM, at least ``MIN_SPLIT_ROWS`` rows each."""
-    return max(1, min(triton.cdiv(rows, MIN_SPLIT_ROWS), TARGET_PROGRAMS // tiles))
+    return max(1, min(cdiv(rows, MIN_SPLIT_ROWS), TARGET_PROGRAMS // tiles))
 
 
 def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: float, *, want_embeds: bool = True):
@@ -562,7 +601,7 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
 
     def pred_grid(meta):
         columns = 1 if single_tile else _column_blocks(dim, meta["MAX_DO"], half_dot)
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups, columns)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups, columns)
 
     launch(_infonce_grad_pred_kernel, pred_grid)(
         pred, embeds, mask_t, targets, lse, row_weights, grad_pred, *common, tau, mask_cols, size_bucket(rows),
@@ -571,11 +610,23 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
     )  # fmt: skip
     if not want_embeds:
         return grad_pred, embeds.new_empty(0)
+    return grad_pred, infonce_grad_embeds_triton(row_weights, pred, embeds, targets, mask, lse, tau)
 
+
+def infonce_grad_embeds_triton(row_weights, pred, embeds, targets, mask, lse, tau: float):
+    """``grad_embeds [1 or B, A, D]`` (``embeds``' dtype) given each row's loss gradient ``row_weights [B, T]``
+    (float32, zero on ignored rows) and log-sum-exp ``lse [B, T]``: the ``grad_embeds`` kernel, with its rows
+    split across programs when there are few action tiles (partial sums added afterwards)."""
+    _, steps, dim = pred.shape
+    num_actions = embeds.shape[1]
+    groups, rows, (mask_t, mask_cols, smb, smt, sma) = _layout_args(pred, embeds, mask)
+    common = (steps, num_actions, dim, rows)
+    strides = (pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma)
+    half_dot = _half_dot(pred.dtype)
     block_a = _block_a_embeds(num_actions, dim, half_dot)
-    action_blocks = triton.cdiv(num_actions, block_a)
+    action_blocks = cdiv(num_actions, block_a)
     num_splits = _num_splits(rows, action_blocks * groups)
-    rows_per_split = triton.cdiv(rows, num_splits)
+    rows_per_split = cdiv(rows, num_splits)
     if num_splits == 1:
         out = empty_output(embeds.shape, dtype=embeds.dtype, device=pred.device)
     else:
@@ -589,11 +640,11 @@ def infonce_backward_triton(row_weights, pred, embeds, targets, mask, lse, tau: 
     launch(_infonce_grad_embeds_kernel, embeds_grid)(
         pred, embeds, mask_t, targets, lse, row_weights, w_max, out, *common, rows_per_split, num_splits, tau,
         mask_cols, size_bucket(rows), *strides, out.stride(0), out.stride(1),
-        HAS_MASK=mask is not None, HALF_DOT=half_dot, BLOCK_A=block_a, DO_FULL=do_full,
+        HAS_MASK=mask is not None, HALF_DOT=half_dot, BLOCK_A=block_a, DO_FULL=_do_full(dim),
     )  # fmt: skip
     if num_splits > 1:
         out = out.view(groups, num_splits, num_actions, dim).sum(1).to(embeds.dtype)
-    return grad_pred, out
+    return out
 
 
 def select_actions_triton(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor):
@@ -608,7 +659,7 @@ def select_actions_triton(pred, embeds, mask, tau: float, sample: bool, seed: to
     status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
 
     def grid(meta):
-        return (triton.cdiv(rows, meta["BLOCK_N"]) * groups,)
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
 
     launch(_select_actions_kernel, grid)(
         pred, embeds, mask_t, seed, actions, status,

@@ -13,70 +13,10 @@ from typing import Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
-from .._validation import (
-    KERNEL_FLOAT_DTYPES,
-    check_positive_float,
-)
-from .reference import check_inject_layer_norm_args, compute_dtype_of, inject_layer_norm_reference, injected_sum
-
-
-# -- eager path: ATen's fused LayerNorm kernels on the fp32 sum -----------------------------------
-# The reference spelled out op by op is ~6x slower on a CPU (64 x 201 x 256, one thread: 166 ms vs 26 ms
-# forward + backward), and CPUs run this path by default; ``native_layer_norm`` computes the same
-# statistics and returns them for the backward.
-def inject_layer_norm_forward_eager(
-    y: torch.Tensor | None,
-    prompt: torch.Tensor,
-    pos: torch.Tensor | None,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(hidden, normed, mean, rstd)``: contiguous outputs in ``prompt.dtype``, statistics ``[B, L]`` in the
-    compute dtype (fp32, or fp64 for fp64 activations)."""
-    dtype = compute_dtype_of(prompt)
-    hidden = injected_sum(y, prompt, pos, dtype).contiguous()
-    normed, mean, rstd = torch.native_layer_norm(
-        hidden, hidden.shape[-1:], weight.to(dtype), bias.to(dtype) if bias is not None else None, eps
-    )
-    hidden_out = hidden.to(prompt.dtype)
-    if hidden_out is prompt:  # y = pos = None with contiguous fp32 (fp64) prompt: outputs may not alias inputs
-        hidden_out = prompt.clone()
-    return hidden_out, normed.to(prompt.dtype), mean.squeeze(-1), rstd.squeeze(-1)
-
-
-def inject_layer_norm_backward_eager(
-    grad_hidden: torch.Tensor,
-    grad_normed: torch.Tensor,
-    hidden: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
-    weight: torch.Tensor,
-    want_weight: bool = True,
-    want_bias: bool = True,
-    want_pos: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Gradients in the compute dtype (``mean.dtype``): ``(d_x [B, L, D], d_weight [D], d_bias [D], d_pos [L, D])``,
-    ``None`` for the ones not wanted; ``d_y = d_prompt = d_x``.
-
-    With ``xhat = (hidden - mean) * rstd`` and ``g = grad_normed * weight`` (per row of ``D`` features):
-
-        d_x      = grad_hidden + rstd * (g - mean_D(g) - xhat * mean_D(g * xhat))
-        d_weight = sum_rows grad_normed * xhat,    d_bias = sum_rows grad_normed,    d_pos = sum_batch d_x
-
-    (ATen's ``native_layer_norm_backward`` evaluates the LayerNorm part.)
-    """
-    dtype = mean.dtype
-    weight = weight.to(dtype)
-    # ATen reads only the bias's presence (to size d_bias), never its values: weight stands in for it.
-    grad_x, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
-        grad_normed.to(dtype), hidden.to(dtype), hidden.shape[-1:], mean[..., None], rstd[..., None],
-        weight, weight, [True, want_weight, want_bias],
-    )  # fmt: skip
-    grad_x = grad_x + grad_hidden.to(dtype)
-    grad_pos = grad_x.sum(dim=0) if want_pos else None
-    return grad_x, grad_weight, grad_bias, grad_pos
+from .._library import compute_dtype, differentiable_op
+from . import reference
+from .checks import check_inject_layer_norm_args
+from .eager import inject_layer_norm_backward_eager, inject_layer_norm_forward_eager
 
 
 # -- custom op -------------------------------------------------------------------------------------
@@ -97,8 +37,7 @@ def _forward(
 
 
 def _forward_fake(y, prompt, pos, weight, bias, eps, impl):
-    stats_dtype = torch.float64 if prompt.dtype == torch.float64 else torch.float32
-    stats = prompt.new_empty(prompt.shape[:2], dtype=stats_dtype)
+    stats = prompt.new_empty(prompt.shape[:2], dtype=compute_dtype(prompt))
     return prompt.new_empty(prompt.shape), prompt.new_empty(prompt.shape), stats, torch.empty_like(stats)
 
 
@@ -220,14 +159,32 @@ def inject_layer_norm(
             on different devices, ``eps <= 0``, an unknown backend. TypeError: a non-float tensor,
             ``y`` and ``prompt`` of different dtypes, fp64 with ``backend="triton"``.
     """
-    check_inject_layer_norm_args(y, prompt, pos, weight, bias)
-    eps = check_positive_float(eps, "eps")
-    impl = resolve_backend(backend, prompt.device)
+    eps = check_inject_layer_norm_args(y, prompt, pos, weight, bias, eps)
+    named = {"y": y, "prompt": prompt, "pos": pos, "weight": weight, "bias": bias}
+    impl = resolve_backend(backend, prompt.device, kernel_inputs=named)
     if impl == "reference" or prompt.numel() == 0:  # nothing to launch for an empty batch or sequence
-        return inject_layer_norm_reference(y, prompt, pos, weight, bias, eps=eps)
-    if impl == "triton":
-        for name, tensor in (("y", y), ("prompt", prompt), ("pos", pos), ("weight", weight), ("bias", bias)):
-            if tensor is not None and tensor.dtype not in KERNEL_FLOAT_DTYPES:
-                raise TypeError(f"{name} must be float16, bfloat16 or float32 for backend='triton', got {tensor.dtype}")
+        return reference.inject_layer_norm_reference(y, prompt, pos, weight, bias, eps=eps)
     hidden, normed, _, _ = inject_layer_norm_op(y, prompt, pos, weight, bias, eps, impl)
     return hidden, normed
+
+
+def inject_layer_norm_reference(
+    y: torch.Tensor | None,
+    prompt: torch.Tensor,
+    pos: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    eps: float = 1e-5,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The readable fp32 reference of :func:`inject_layer_norm` (:func:`.reference.inject_layer_norm_reference`,
+    the op's spec) behind the same argument checks: plain PyTorch ops, differentiated by autograd.
+
+    Returns:
+        ``(hidden, normed)``, both ``[B, L, D]`` in ``prompt.dtype``.
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`inject_layer_norm`.
+    """
+    eps = check_inject_layer_norm_args(y, prompt, pos, weight, bias, eps)
+    return reference.inject_layer_norm_reference(y, prompt, pos, weight, bias, eps=eps)

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 
 #: Elements of one ``[BLOCK_L, BLOCK_D]`` tile; with one warp per 256 of them a thread holds 8 values
 #: per tile. Compiled offline for sm_90 (ptxas -v, no GPU run): at D = 256 (8 x 256 tile, 8 warps) the
@@ -60,8 +60,8 @@ _INTERPRETER_PROGRAMS = 4
 def tile_shape(length: int, width: int) -> tuple[int, int, int]:
     """``(BLOCK_L, BLOCK_D, num_warps)``: whole rows of ``width`` features, about 2048-element tiles,
     a warp per 256 elements (4 to 16 warps)."""
-    block_d = max(16, triton.next_power_of_2(width))  # >= 16 lanes: no degenerate layouts for tiny D
-    block_l = max(1, min(_TILE_ELEMENTS // block_d, triton.next_power_of_2(length)))
+    block_d = max(16, next_power_of_2(width))  # >= 16 lanes: no degenerate layouts for tiny D
+    block_l = max(1, min(_TILE_ELEMENTS // block_d, next_power_of_2(length)))
     num_warps = min(16, max(4, block_l * block_d // 256))
     return block_l, block_d, num_warps
 
@@ -79,7 +79,7 @@ def batch_per_program(batch: int, position_blocks: int, device: torch.device, pr
     else:
         target = _INTERPRETER_PROGRAMS if triton_interpreter_enabled() else 1
     chunks = max(1, min(batch, target // max(1, position_blocks)))
-    return triton.cdiv(batch, chunks)
+    return cdiv(batch, chunks)
 
 
 @triton.jit
@@ -252,9 +252,9 @@ def inject_layer_norm_forward_triton(
     mean = empty_output((batch, length), dtype=torch.float32, device=device)
     rstd = empty_output((batch, length), dtype=torch.float32, device=device)
     block_l, block_d, num_warps = tile_shape(length, width)
-    position_blocks = triton.cdiv(length, block_l)
+    position_blocks = cdiv(length, block_l)
     per_program = batch_per_program(batch, position_blocks, device, _FORWARD_PROGRAMS_PER_SM)
-    grid = (position_blocks, triton.cdiv(batch, per_program))
+    grid = (position_blocks, cdiv(batch, per_program))
     weight = weight.contiguous()
     bias = bias.contiguous() if bias is not None else None
     launch(_inject_layer_norm_forward_kernel, grid)(
@@ -290,9 +290,9 @@ def inject_layer_norm_backward_triton(
     device = hidden.device
     hidden, mean, rstd, weight = hidden.contiguous(), mean.contiguous(), rstd.contiguous(), weight.contiguous()
     block_l, block_d, num_warps = tile_shape(length, width)
-    position_blocks = triton.cdiv(length, block_l)
+    position_blocks = cdiv(length, block_l)
     per_program = batch_per_program(batch, position_blocks, device, _BACKWARD_PROGRAMS_PER_SM)
-    grid = (position_blocks, triton.cdiv(batch, per_program))
+    grid = (position_blocks, cdiv(batch, per_program))
     programs = grid[0] * grid[1]
     grad_y = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_y else None
     grad_prompt = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_prompt else None

@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import FLOAT_DTYPES, check_positive_float, check_same_device, check_shape, check_tensor
-
-
-def compute_dtype_of(prompt: torch.Tensor) -> torch.dtype:
-    """The dtype the reference and the eager path compute in: fp64 for fp64 activations, fp32 otherwise."""
-    return torch.float64 if prompt.dtype == torch.float64 else torch.float32
+from .._library import compute_dtype
 
 
 def injected_sum(
@@ -47,39 +42,6 @@ def layer_norm_statistics(hidden: torch.Tensor, eps: float) -> tuple[torch.Tenso
     mean = hidden.mean(dim=-1)
     var = (hidden - mean[..., None]).square().mean(dim=-1)
     return mean, torch.rsqrt(var + eps)
-
-
-def check_inject_layer_norm_args(y: object, prompt: object, pos: object, weight: object, bias: object) -> None:
-    """The tensor checks of :func:`inject_layer_norm` and its reference (shapes, dtypes, devices only).
-
-    Raises:
-        TypeError: a non-tensor or non-float input, ``y`` and ``prompt`` of different dtypes.
-        ValueError: a wrong rank, a zero width ``D``, a shape that does not match ``prompt`` (the message
-            names the argument), tensors on different devices.
-    """
-    check_tensor(prompt, "prompt", ndim=3, dtypes=FLOAT_DTYPES)
-    batch, length, width = prompt.shape
-    if width == 0:
-        raise ValueError(f"prompt must have a nonzero model width D (last dim), got shape {tuple(prompt.shape)}")
-    devices = {"prompt": prompt}
-    if y is not None:
-        check_tensor(y, "y", ndim=3, dtypes=FLOAT_DTYPES)
-        check_shape(y, "y", tuple(prompt.shape), "prompt.shape")
-        if y.dtype != prompt.dtype:
-            raise TypeError(f"y must have prompt's dtype ({prompt.dtype}), got {y.dtype}; cast one of them first")
-        devices["y"] = y
-    if pos is not None:
-        check_tensor(pos, "pos", ndim=2, dtypes=FLOAT_DTYPES)
-        check_shape(pos, "pos", (length, width), "(prompt.shape[1], prompt.shape[2]) = (L, D)")
-        devices["pos"] = pos
-    check_tensor(weight, "weight", ndim=1, dtypes=FLOAT_DTYPES)
-    check_shape(weight, "weight", (width,), "(prompt.shape[2],) = (D,)")
-    devices["weight"] = weight
-    if bias is not None:
-        check_tensor(bias, "bias", ndim=1, dtypes=FLOAT_DTYPES)
-        check_shape(bias, "bias", (width,), "(prompt.shape[2],) = (D,)")
-        devices["bias"] = bias
-    check_same_device(**devices)
 
 
 def inject_layer_norm_reference(
@@ -104,14 +66,8 @@ def inject_layer_norm_reference(
     Returns:
         ``(hidden, normed)``, both ``[B, L, D]`` in ``prompt.dtype``; differentiable by autograd
         w.r.t. every tensor input.
-
-    Raises:
-        ValueError/TypeError naming the argument, as :func:`inject_layer_norm`
-        (:func:`check_inject_layer_norm_args`, ``eps > 0`` and finite).
     """
-    check_inject_layer_norm_args(y, prompt, pos, weight, bias)
-    eps = check_positive_float(eps, "eps")
-    dtype = compute_dtype_of(prompt)
+    dtype = compute_dtype(prompt)
     hidden = injected_sum(y, prompt, pos, dtype)
     mean, rstd = layer_norm_statistics(hidden, eps)
     normed = (hidden - mean[..., None]) * rstd[..., None] * weight.to(dtype)

@@ -25,10 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .._library import empty_output
-from .._triton import launch
-from .function import empty_like_layout
-from .reference import GATES
+from .._library import empty_output, empty_output_like
+from .._triton import cdiv, launch, next_power_of_2
+from .checks import GATES
 
 #: Elements per chunk (BLOCK_R x BLOCK_H x BLOCK_D).
 _TILE_ELEMENTS = 4096
@@ -39,8 +38,8 @@ _GATE_CODES = {name: code for code, name in enumerate(GATES)}  # softmax 0, sigm
 
 def block_sizes(heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_H, BLOCK_D)``: all heads at once, feature chunks of 16..128, ~4096-element tiles."""
-    block_h = triton.next_power_of_2(heads)
-    block_d = min(triton.next_power_of_2(head_dim), _MAX_BLOCK_D, max(16, _TILE_ELEMENTS // block_h))
+    block_h = next_power_of_2(heads)
+    block_d = min(next_power_of_2(head_dim), _MAX_BLOCK_D, max(16, _TILE_ELEMENTS // block_h))
     block_r = max(1, min(_MAX_BLOCK_R, _TILE_ELEMENTS // (block_h * block_d)))
     return block_r, block_h, block_d
 
@@ -128,7 +127,7 @@ def _mixture_of_heads_backward_kernel(
 def _launch_config(head_out: torch.Tensor) -> tuple[tuple[int], dict]:
     batch, length, heads, head_dim = head_out.shape
     block_r, block_h, block_d = block_sizes(heads, head_dim)
-    grid = (triton.cdiv(batch * length, block_r),)
+    grid = (cdiv(batch * length, block_r),)
     return grid, {"BLOCK_R": block_r, "BLOCK_H": block_h, "BLOCK_D": block_d}
 
 
@@ -154,7 +153,7 @@ def mixture_of_heads_backward_triton(
     """Triton backward: ``grad_head`` (``head_out``'s dtype and memory order) and ``grad_gate_logits``
     (contiguous, ``gate_logits.dtype``) in one pass."""
     batch, length, heads, head_dim = head_out.shape
-    grad_head = empty_like_layout(head_out, head_out.dtype)
+    grad_head = empty_output_like(head_out, head_out.dtype)
     grad_gate = empty_output(gate_logits.shape, dtype=gate_logits.dtype, device=gate_logits.device)
     grid, blocks = _launch_config(head_out)
     launch(_mixture_of_heads_backward_kernel, grid)(

@@ -18,21 +18,16 @@ Dtypes: the math runs in fp32 (fp64 stays fp64) whatever the inputs; the output 
 dtype. ``gate_logits`` may have another float dtype than ``head_out`` (fp32 logits with bf16 heads
 under autocast): the logits are normalised in the compute dtype, so a wider logit dtype is never
 rounded down to the heads' dtype, and its gradient comes back in ``gate_logits``' own dtype.
+
+The functions here take checked arguments (:mod:`.checks`); the public, checked reference is
+:func:`icrl_kernels.mixture_of_heads_reference`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._validation import FLOAT_DTYPES, check_choice, check_same_device, check_shape, check_tensor
-
-#: Gate normalisations, in the order the Triton kernels number them.
-GATES: tuple[str, ...] = ("softmax", "sigmoid", "linear")
-
-
-def compute_dtype_of(*tensors: torch.Tensor) -> torch.dtype:
-    """The dtype the reference and the eager path compute in: fp64 if any input is fp64, fp32 otherwise."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+from .._library import compute_dtype
 
 
 def gate_weights_reference(gate_logits: torch.Tensor, gate: str = "softmax") -> torch.Tensor:
@@ -46,28 +41,12 @@ def gate_weights_reference(gate_logits: torch.Tensor, gate: str = "softmax") -> 
     Returns:
         ``G`` in the compute dtype (fp32, or fp64 for fp64 logits), same shape; differentiable.
     """
-    logits = gate_logits.to(compute_dtype_of(gate_logits))
+    logits = gate_logits.to(compute_dtype(gate_logits))
     if gate == "softmax":
         return torch.softmax(logits, dim=-1)
     if gate == "sigmoid":
         return torch.sigmoid(logits)
-    if gate == "linear":
-        return logits
-    raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-
-
-def check_mixture_of_heads_args(head_out: object, gate_logits: object, gate: object) -> None:
-    """The argument checks of :func:`mixture_of_heads` and its reference (shapes, dtypes, devices only).
-
-    Raises:
-        TypeError: a non-tensor or non-float input. ValueError: a wrong rank, ``gate_logits`` not
-            ``head_out.shape[:3]``, tensors on different devices, an unknown ``gate``.
-    """
-    check_tensor(head_out, "head_out", ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor(gate_logits, "gate_logits", ndim=3, dtypes=FLOAT_DTYPES)
-    check_shape(gate_logits, "gate_logits", tuple(head_out.shape[:3]), "head_out.shape[:3], [B, L, H]")
-    check_same_device(head_out=head_out, gate_logits=gate_logits)
-    check_choice(gate, "gate", GATES)
+    return logits  # "linear"
 
 
 def mixture_of_heads_reference(
@@ -83,13 +62,8 @@ def mixture_of_heads_reference(
     Returns:
         ``[B, L, H * Dh]`` in ``head_out.dtype``, computed in fp32 (fp64 for fp64 inputs);
         differentiable w.r.t. both inputs by autograd.
-
-    Raises:
-        ValueError/TypeError naming the argument, as :func:`mixture_of_heads`
-        (:func:`check_mixture_of_heads_args`).
     """
-    check_mixture_of_heads_args(head_out, gate_logits, gate)
-    dtype = compute_dtype_of(head_out, gate_logits)
+    dtype = compute_dtype(head_out, gate_logits)
     weights = gate_weights_reference(gate_logits, gate).to(dtype)
     batch, length, heads, head_dim = head_out.shape
     merged = head_out.to(dtype) * weights.unsqueeze(-1)

@@ -22,20 +22,11 @@ from .._validation import (
     check_shape,
     check_tensor,
 )
-from ..moa import GATES, gate_weights_reference, mixture_of_heads
+from ..moa import GATES, mixture_of_heads
+from ..moa import eager as moa_eager
 
 #: ``attention=`` choices of :class:`MoAAttention` and :class:`~icrl_kernels.SmearedKeyAttention`.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "fused")
-
-#: The gated projection's output width ``3D + H`` is padded with zero rows to a multiple of this many
-#: elements (16 bytes in bf16/fp16), so that its row stride, and the q/k/v views' strides, are 16-byte
-#: aligned. cuBLAS's Hopper GEMM kernels need that alignment: at GPT-2 small (3D + H = 2316) the unpadded
-#: layer's three projection GEMMs (forward, input and weight gradient) ran on sm80 CUTLASS kernels built
-#: for 2-element alignment (``s16816gemm_bf16_..._align2``, 0.93-1.04 ms each) where the ungated layer's
-#: ran on Hopper ``nvjet_sm90`` kernels (0.32-0.45 ms); gated 5.3 ms against ungated 3.15 ms (H200,
-#: B = 64, L = 1024, bf16, torch.profiler, benchmarks/results/gpu-2026-11-26-h200-profile.md). Predicted
-#: with the padding: ~3.6 ms (1.15x ungated); not yet measured.
-PROJECTION_ALIGNMENT = 8
 
 
 class MoAAttention(nn.Module):
@@ -46,20 +37,18 @@ class MoAAttention(nn.Module):
     ordinary causal attention (no gate rows), so one module serves both GPT-2's plain layers and the
     gated ones and is the benchmark floor.
 
-    **One projection for q, k, v and the gate.** ``qkv`` is a single ``nn.Linear(D, 3D + H)`` when
-    gated (``nn.Linear(D, 3D)`` ungated, as before): output rows ``[q | k | v | gate logits]``, heads
-    contiguous within each of q, k, v. ``x`` is read once and one GEMM (and one weight-gradient and
-    one input-gradient GEMM in backward) serves all four, instead of a second ``gate_proj`` Linear
-    on ``x``. The GEMM pads the weight with zero rows to a multiple of :data:`PROJECTION_ALIGNMENT`
-    (aligned strides for cuBLAS and SDPA; the parameters keep ``3D + H`` rows). The gate rows
-    ``qkv.weight[3D:]`` are ``W_g``; :attr:`gate_weight` / :attr:`gate_bias` are read-only views of
-    them. The gate always has a bias: with ``bias=True`` it is ``qkv.bias[3D:]``; with ``bias=False``
-    (no q/k/v bias) it is the separate parameter ``qkv_gate_bias [H]`` (the projection then adds
-    ``[0, ..., 0, b_g]``; nothing else in the layer has a bias). Every row, gate rows included, is
-    initialised as ``nn.Linear(D, .)`` initialises (``U(-1/sqrt(D), 1/sqrt(D))``, weight and bias),
-    the distribution the former ``gate_proj = nn.Linear(D, H)`` had. State dicts saved with a
-    separate ``gate_proj.weight`` / ``gate_proj.bias`` still load (they are concatenated onto
-    ``qkv`` while loading).
+    **One parameter for q, k, v and the gate, two GEMMs.** ``qkv`` is a single ``nn.Linear(D, 3D + H)``
+    when gated (``nn.Linear(D, 3D)`` ungated): weight rows ``[q | k | v | gate]``, heads contiguous within
+    each of q, k, v. The forward runs it as two GEMMs on views of that weight: ``[q | k | v]`` (``3D`` wide,
+    the same GEMM as the ungated layer's, whose width cuBLAS tiles well) and the ``H`` gate rows (a small
+    GEMM). One ``3D + H``-wide GEMM padded to aligned strides measured 1.2-1.3x the ungated layer on an H100
+    (benchmarks/results/README.md, issue 43); the split's weight gradient is still one buffer. The gate rows
+    ``qkv.weight[3D:]`` are ``W_g``; :attr:`gate_weight` / :attr:`gate_bias` are read-only views of them.
+    The gate always has a bias: with ``bias=True`` it is ``qkv.bias[3D:]``; with ``bias=False`` (no q/k/v
+    bias) it is the separate parameter ``qkv_gate_bias [H]``. Every row, gate rows included, is initialised
+    as ``nn.Linear(D, .)`` initialises (``U(-1/sqrt(D), 1/sqrt(D))``, weight and bias), the distribution the
+    former ``gate_proj = nn.Linear(D, H)`` had. State dicts saved with a separate ``gate_proj.weight`` /
+    ``gate_proj.bias`` still load (they are concatenated onto ``qkv`` while loading).
 
     With a separate ``gate_input`` (not the tensor ``x``) the gate logits are ``gate_input @ W_g^T + b_g``
     with the same gate rows, and ``x`` gets the q/k/v rows only.
@@ -121,7 +110,7 @@ class MoAAttention(nn.Module):
                 f"dropout must be 0 with attention='fused' (its kernel has no attention dropout), got {self.dropout}"
             )
         gate_rows = 0 if gate is None else n_heads
-        # One GEMM for q, k, v and the gate logits: rows [q | k | v | gate].
+        # One parameter for q, k, v and the gate logits: rows [q | k | v | gate] (two GEMMs in the forward).
         self.qkv = nn.Linear(d_model, 3 * d_model + gate_rows, bias=bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)  # input: head h at features [h*Dh, (h+1)*Dh)
         if gate is not None and not bias:
@@ -132,7 +121,7 @@ class MoAAttention(nn.Module):
             self.register_parameter("qkv_gate_bias", None)
         self.resid_dropout = nn.Dropout(self.dropout)
 
-    # -- the fused projection -------------------------------------------------------------------------
+    # -- the projection -------------------------------------------------------------------------------
     @property
     def gate_weight(self) -> torch.Tensor | None:
         """``W_g [H, D]``: a view of the gate rows ``qkv.weight[3D:]`` (``None`` when ungated)."""
@@ -145,21 +134,9 @@ class MoAAttention(nn.Module):
             return None
         return self.qkv_gate_bias if self.qkv_gate_bias is not None else self.qkv.bias[3 * self.d_model :]
 
-    def _projection_bias(self, padding: int = 0) -> torch.Tensor | None:
-        """The bias of the whole ``[q | k | v | gate]`` projection followed by ``padding`` zeros
-        (``[3D + H + padding]``), or ``None`` without any bias."""
-        if self.qkv_gate_bias is None:
-            bias = self.qkv.bias
-            return F.pad(bias, (0, padding)) if bias is not None and padding else bias
-        # bias=False: zeros for q, k, v (and the padding), built per call, negligible next to the GEMM.
-        qkv_zeros, padding_zeros = self.qkv_gate_bias.new_zeros(3 * self.d_model + padding).split(
-            [3 * self.d_model, padding]
-        )
-        return torch.cat([qkv_zeros, self.qkv_gate_bias, padding_zeros])
-
     def gate_logits(self, gate_input: torch.Tensor) -> torch.Tensor | None:
         """Gate logits ``gate_input @ W_g^T + b_g``, ``[B, L, H]``, for a gate input ``[B, L, D]``;
-        ``None`` when ungated. (The forward pass gets them from the fused projection instead.)"""
+        ``None`` when ungated."""
         if self.gate is None:
             return None
         return F.linear(gate_input, self.gate_weight, self.gate_bias)
@@ -171,29 +148,18 @@ class MoAAttention(nn.Module):
     def project_with_gate(
         self, x: torch.Tensor, gate_input: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``x [B, L, D]`` -> ``q, k, v`` (each ``[B, H, L, Dh]``) and the gate logits ``[B, L, H]``
-        (``None`` when ungated), all strided views of one projection when ``gate_input`` is ``None`` or
-        ``x`` itself; a separate ``gate_input [B, L, D]`` gets the gate rows only."""
-        d3 = 3 * self.d_model
+        """``x [B, L, D]`` -> ``q, k, v`` (each ``[B, H, L, Dh]``, strided views of one ``3D``-wide projection)
+        and the gate logits ``[B, L, H]`` of ``gate_input`` (default ``x``; ``None`` when ungated)."""
         if self.gate is None:
             return (*self._split_heads(self.qkv(x)), None)
-        if gate_input is None or gate_input is x:
-            padding = -(d3 + self.n_heads) % PROJECTION_ALIGNMENT
-            # zero rows: aligned strides for cuBLAS and SDPA (PROJECTION_ALIGNMENT)
-            weight = F.pad(self.qkv.weight, (0, 0, 0, padding)) if padding else self.qkv.weight
-            bias = self._projection_bias(padding)
-            # split (not slicing twice): its backward writes all four gradients into one buffer.
-            projected = F.linear(x, weight, bias)
-            q, k, v, logits, _ = projected.split([self.d_model] * 3 + [self.n_heads, padding], dim=-1)
-            return (*(rearrange(t, "b l (h e) -> b h l e", h=self.n_heads) for t in (q, k, v)), logits)
-        # A separate gate input: x gets the q/k/v rows, gate_input the gate rows (split, not sliced
-        # twice, so the weight gradient is one buffer).
-        w_qkv, w_gate = self.qkv.weight.split([d3, self.n_heads])
+        # split (not sliced twice): its backward writes the q/k/v and gate gradients into one buffer.
+        w_qkv, w_gate = self.qkv.weight.split([3 * self.d_model, self.n_heads])
         if self.qkv_gate_bias is None:
-            b_qkv, b_gate = self.qkv.bias.split([d3, self.n_heads])
+            b_qkv, b_gate = self.qkv.bias.split([3 * self.d_model, self.n_heads])
         else:
             b_qkv, b_gate = None, self.qkv_gate_bias
-        return (*self._split_heads(F.linear(x, w_qkv, b_qkv)), F.linear(gate_input, w_gate, b_gate))
+        logits = F.linear(x if gate_input is None else gate_input, w_gate, b_gate)
+        return (*self._split_heads(F.linear(x, w_qkv, b_qkv)), logits)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [B, L, D]`` -> ``q, k, v``, each ``[B, H, L, Dh]`` (strided views of one projection)."""
@@ -203,7 +169,7 @@ class MoAAttention(nn.Module):
         """Normalised gate weights ``[B, L, H]`` (fp32) for a gate input ``[B, L, D]``; ``None`` when ungated."""
         if self.gate is None:
             return None
-        return gate_weights_reference(self.gate_logits(gate_input), self.gate)
+        return moa_eager.gate_weights(self.gate_logits(gate_input), self.gate)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -283,8 +249,6 @@ class MoAAttention(nn.Module):
         Args:
             x: ``[B, L, D]``.
             gate_input: ``[B, L, D]`` the gate reads (default ``x``); unused (but checked) when ungated.
-                ``x`` itself (or ``None``) takes the fused projection; another tensor costs a second,
-                ``H``-row GEMM on it.
             attn_mask: bool, broadcastable to ``[B, H, L, L]`` (query, key); ``True`` = may attend. With
                 ``is_causal`` it is combined with the causal mask. A query that may attend to nothing
                 gets NaN from SDPA, as in PyTorch.
@@ -313,7 +277,7 @@ class MoAAttention(nn.Module):
         if return_gates and logits is None:
             gates = x.new_ones(batch, length, self.n_heads)
         elif return_gates:
-            gates = gate_weights_reference(logits, self.gate)
+            gates = moa_eager.gate_weights(logits, self.gate)
         if self.attention == "fused":
             from ..attention import gated_attention  # imported here: the module loads without it
 
@@ -337,7 +301,7 @@ class MoAAttention(nn.Module):
         else:
             # The mask scales normalised weights, so normalise here and pass the weights as
             # "linear" logits (the op's identity gate): one kernel still does scaling and merge.
-            weights = gates if gates is not None else gate_weights_reference(logits, self.gate)
+            weights = gates if gates is not None else moa_eager.gate_weights(logits, self.gate)
             merged = mixture_of_heads(heads, weights * head_mask.to(weights.dtype), gate="linear", backend=self.backend)
         y = self.resid_dropout(self.out_proj(merged))
         return (y, gates) if return_gates else y

@@ -1,9 +1,8 @@
 """N-gram match attention (n-gram induction heads, N-Gram AD): reference, plan, eager and Triton paths."""
 
 from .decode import NGramDecodeState
-from .function import ngram_attention
-from .plan import NGramPlan, ngram_plan
-from .reference import ngram_attention_reference, ngram_match_matrix
+from .function import ngram_attention, ngram_attention_reference, ngram_match_matrix, ngram_plan
+from .plan import NGramPlan
 from .tokens import transition_ids
 
 __all__ = [

@@ -24,11 +24,13 @@ import torch
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
+    check_device,
     check_int,
     check_same_device,
     check_shape,
     check_tensor,
     check_values,
+    row_mask,
 )
 
 
@@ -47,8 +49,9 @@ class NGramDecodeState:
             cost independent of ``n``.
         max_len: the most positions a sequence will take (sizes the tables; more raises ``ValueError``
             on CPU, a device assert on CUDA).
-        device, dtype: where the tables live and the dtype of the returned outputs. Sums are fp32
-            (fp64 when ``dtype`` is fp64).
+        device, dtype: where the tables live (a ``torch.device``, a name such as ``"cuda:1"``, or an index;
+            it must exist here) and the dtype of the returned outputs. Sums are fp32 (fp64 when ``dtype``
+            is fp64).
     """
 
     def __init__(
@@ -72,7 +75,7 @@ class NGramDecodeState:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = check_device(device) if device is not None else torch.device("cpu")
         # One entry per distinct key: a row inserts at most one key per step, so max_len entries suffice.
         self.capacity = self.max_len
         sum_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -89,16 +92,21 @@ class NGramDecodeState:
         # last full reset. A partial reset cannot lower it without reading which rows it cleared.
         self._length_bound = 0
 
-    def reset(self, rows: torch.Tensor | None = None) -> None:
-        """Forget the context of the given rows (bool mask ``[B]`` or indices), or of every row."""
+    def reset(self, rows: torch.Tensor | list[int] | None = None) -> None:
+        """Forget the context of the given rows, or of every row (``None``).
+
+        Args:
+            rows: a bool mask ``[B]``, or row indices in ``[0, B)`` (a 1-D integer tensor or a list of ints).
+
+        Raises:
+            TypeError/ValueError naming ``rows``: another type or dtype, a mask of another length, indices
+            out of range (a value check: an asynchronous device assert on CUDA, no host read).
+        """
         if rows is None:
             mask = torch.ones(self.batch_size, dtype=torch.bool, device=self.device)
             self._length_bound = 0
-        elif rows.dtype == torch.bool:
-            mask = rows.to(self.device)
-        else:  # indices: scatter into a mask (boolean indexing would size its result from the values)
-            mask = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
-            mask = mask.index_fill(0, rows.to(self.device).long(), True)
+        else:
+            mask = row_mask(rows, "rows", self.batch_size, self.device)
         self.table_used.masked_fill_(mask.unsqueeze(1), False)
         self.table_sum.masked_fill_(mask.view(-1, 1, 1), 0)
         self.table_count.masked_fill_(mask.unsqueeze(1), 0)

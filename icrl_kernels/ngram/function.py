@@ -5,33 +5,49 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
-from .._validation import (
-    FLOAT_DTYPES,
-    INT_DTYPES,
-    KERNEL_FLOAT_DTYPES,
-    check_choice,
-    check_int,
-    check_same_device,
-    check_shape,
-    check_tensor,
-    check_values,
-)
+from .._library import differentiable_op, fold_vmap_into_batch, inference_op
+from .._validation import check_choice
+from . import reference
+from .checks import ALGORITHMS, check_ids_and_n, check_ngram_attention_args, check_plan
 from .eager import ngram_backward_eager, ngram_forward_eager
-from .plan import NGramPlan, _ngram_plan_op
-from .reference import ngram_attention_reference
+from .plan import NGramPlan, build_ngram_plan
 
 
-def validate_ids_and_n(ids: object, n: object) -> tuple[torch.Tensor, int]:
-    """Check ``ids [B, L]`` (integer, non-empty) and ``n >= 1``; return ids as int64 and n as int."""
-    check_tensor(ids, "ids", ndim=2, dtypes=INT_DTYPES)
-    if ids.shape[0] == 0:
-        raise ValueError(f"ids must have a non-empty batch, got shape {tuple(ids.shape)}")
-    if ids.shape[1] == 0:
-        raise ValueError(f"ids must have at least one position, got shape {tuple(ids.shape)}")
-    return ids.long(), check_int(n, "n", min_value=1)
+# -- the plan (sort) ------------------------------------------------------------------------------
+def _ngram_plan(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tensors: from the Triton plan kernels when ``use_kernels`` (the Triton backend: five
+    launches instead of ~40, :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
+    if use_kernels:
+        from .plan_kernels import build_ngram_plan_triton  # needs triton: imported only here
+
+        return build_ngram_plan_triton(ids, n)
+    return tuple(build_ngram_plan(ids, n))
 
 
+def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (
+        ids.new_empty(ids.shape, dtype=torch.int64),
+        ids.new_empty(ids.shape, dtype=torch.uint8),
+        ids.new_empty(ids.shape, dtype=torch.int32),
+    )
+
+
+_ngram_plan_op = fold_vmap_into_batch(inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake))
+
+
+def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
+    """Build the :class:`NGramPlan` of ``ids [B, L]`` for n-gram length ``n`` (a torch custom op).
+
+    Computing a plan costs one sort of ``B x L`` keys; layers that share ids and ``n`` can share it
+    through ``ngram_attention(..., plan=plan)``.
+    """
+    original_ids = ids
+    ids, n = check_ids_and_n(ids, n)
+    use_kernels = resolve_backend("auto", ids.device) == "triton"
+    return NGramPlan(*_ngram_plan_op(ids, n, use_kernels), ids=original_ids, n=n)
+
+
+# -- the sort path's op -----------------------------------------------------------------------------
 def _forward(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
         from .kernels import ngram_forward_triton
@@ -67,6 +83,7 @@ ngram_attention_op, ngram_attention_backward_op = differentiable_op(
     save=lambda inputs, output: inputs[1:],  # (perm, meta, count, impl)
     grad_inputs=(0,),
 )
+fold_vmap_into_batch(ngram_attention_op)
 
 
 def _tiled_forward(h: torch.Tensor, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,48 +116,20 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
     grad_inputs=(0,),
     differentiable_outputs=1,
 )
-
-ALGORITHMS = ("auto", "sort", "tiled")
+fold_vmap_into_batch(ngram_attention_tiled_op)
 
 #: Per dtype of ``h``: up to this context length ``L`` the ``"auto"`` algorithm of the Triton backend
-#: is the tiled kernel, beyond it the sort path, from where the two crossed on a GPU.
-#: ``benchmarks/bench_ngram_attention.py`` times ``triton-tiled`` against ``triton-sort`` over ``L`` in
-#: fp32 and bf16 (``test_ngram_tiled_crossover``; ``gpu_check.py --stages ngram-crossover``).
-#:
-#: Measured (NVIDIA H200, torch 2.11 + Triton 3.6, 2026-11-26, one run of ``test_ngram_tiled_crossover``
-#: with ``ICRL_BENCH_SECONDS=0.3``; ``benchmarks/results/gpu-2026-11-26-h200-profile.md``), fwd + bwd ms,
-#: tiled / sort:
-#:
-#: * B = 8, D = 512, n = 2, fp32: L = 256 0.29 / 1.70, 512 0.32 / 2.06, 1024 0.56 / 2.06, 2048 1.40 / 1.71,
-#:   4096 4.47 / 2.07; bf16: 0.52 / 2.25, 0.27 / 1.93, 0.41 / 1.70, 0.72 / 2.01, 4096 1.66 / 1.61.
-#: * B = 32, D = 64, n = 1 and 2 (N-Gram AD's training shape), both dtypes: tiled 0.26-1.00 ms against
-#:   sort 1.38-1.83 ms at every L from 256 to 2048.
-#:
-#: The sort path costs ~1.7 ms at every length: it is host-bound (66 launches per fwd + bwd; at B = 16,
-#: L = 4096 its kernels keep the device busy 0.45-0.5 ms of the 1.8-2.0 ms, measured with torch.profiler),
-#: so the tiled kernel wins up to L = 2048 in both dtypes and loses (fp32) or ties (bf16) at 4096. fp16
-#: was not measured; it takes bf16's value (the same tensor-core dots).
-#:
-#: Re-measured after the sort path's plan moved into Triton kernels (fewer launches), on an NVIDIA H100
-#: (2026-11-27, same benchmark; ``benchmarks/results/gpu-2026-11-27-h100/ngram-crossover.md``), fwd + bwd
-#: ms, tiled / sort: B = 8, D = 512, n = 2, fp32: L = 256 0.67 / 1.10, 512 0.80 / 1.76, 1024 0.71 / 1.69,
-#: 2048 1.39 / 1.61, 4096 4.62 / 1.28; bf16: 1.10 / 1.03, 0.68 / 1.48, 1.01 / 1.56, 0.84 / 0.97,
-#: 4096 1.89 / 1.38. B = 32, D = 64: tiled 0.62-1.05 ms against sort 0.98-1.56 ms at every L to 2048. The
-#: crossover stays between 2048 and 4096. The sort path is still host-bound (~1-1.7 ms whatever L): in
-#: device time its two main kernels take 0.04 ms at B = 8, L = 1024, D = 512 fp32 (the autotuner's best
-#: configs) against the tiled kernels' 0.39 ms, so the crossover would move far down if the host cost
-#: went (a CUDA graph around the step): re-measure it then.
+#: is the tiled kernel, beyond it the sort path: the two crossed between 2048 and 4096 on an H200 and
+#: an H100 in fp32 and bf16 (fp16 takes bf16's value), the sort path being host-bound (launches) below.
+#: ``benchmarks/bench_ngram_attention.py::test_ngram_tiled_crossover`` measures it; the numbers are in
+#: ``benchmarks/results/kernel-constants.md#n-gram-tiled-vs-sort``.
 TILED_MAX_LENGTH: dict[torch.dtype, int] = {torch.float32: 2048, torch.float16: 2048, torch.bfloat16: 2048}
 
 #: CPU without Triton, ``backend="auto"``: up to this ``L`` the dense reference (one batched matmul of
 #: the ``[B, L, L]`` pattern) is faster than the eager sort path, and ``"auto"`` takes it; up to
 #: ``CPU_DENSE_MAX_LENGTH_WIDE`` for features at least ``CPU_WIDE_DIM`` wide, where the sort path's
-#: per-column segmented scans cost more. Measured with ``benchmarks/ngram_cpu_crossover.py`` (forward +
-#: backward, fp32, 1 and 2 threads, 2-core VM; ``benchmarks/results/cpu-ngram-crossover.json``), after
-#: the sort path's sums became segmented scans (outliers stay in their segment; 1.4-2.6x slower than the
-#: old prefix sums): N-Gram AD's B = 32, D = 64 has dense faster up to L = 256 (eager 1.27-2.98x slower,
-#: except n = 2 on 1 thread: 0.92x) and eager faster from 512 (0.38-0.90x); B = 8, D = 512 has dense
-#: faster up to 512 (eager 1.03-1.31x) and eager faster from 1024 (0.57-0.64x).
+#: per-column segmented scans cost more. Measured with ``benchmarks/ngram_cpu_crossover.py``; the numbers
+#: are in ``benchmarks/results/README.md`` (n-gram ``backend="auto"`` on the CPU).
 CPU_DENSE_MAX_LENGTH = 256
 CPU_DENSE_MAX_LENGTH_WIDE = 512
 CPU_WIDE_DIM = 256
@@ -212,16 +201,11 @@ def ngram_attention(
         ValueError: wrong ranks or shapes, empty ``ids``/``h``, ``n < 1``, devices that differ, an unknown
             ``backend`` or ``algorithm``, a ``plan`` of other ids or another ``n``.
     """
-    check_tensor(h, "h", ndim=3, dtypes=FLOAT_DTYPES)
-    ids, n = validate_ids_and_n(ids, n)
-    check_shape(ids, "ids", tuple(h.shape[:2]), "h.shape[:2]")
-    check_same_device(h=h, ids=ids)
-    if h.shape[2] == 0:
-        raise ValueError(f"h must have a non-empty feature dimension, got shape {tuple(h.shape)}")
+    ids, n = check_ngram_attention_args(h, ids, n)
     check_choice(algorithm, "algorithm", ALGORITHMS)
     if plan is not None:
         check_plan(plan, ids, n)
-    impl = resolve_backend(backend, h.device)
+    impl = resolve_backend(backend, h.device, kernel_inputs={"h": h})
     if algorithm == "tiled" and impl != "triton":
         raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
     length = h.shape[1]
@@ -231,10 +215,8 @@ def ngram_attention(
     if backend == "auto" and impl == "eager" and _cpu_auto_uses_dense(h, plan):
         impl = "reference"
     if impl == "reference":
-        return ngram_attention_reference(h, ids, n)
+        return reference.ngram_attention_reference(h, ids, n)
     if impl == "triton":
-        if h.dtype not in KERNEL_FLOAT_DTYPES:
-            raise TypeError(f"h must be float16, bfloat16 or float32 for backend='triton', got {h.dtype}")
         if algorithm == "auto" or n > length:  # n > L: nothing matches; the sort path's plan is O(1) then
             algorithm = "tiled" if plan is None and length <= TILED_MAX_LENGTH[h.dtype] and n <= length else "sort"
         if algorithm == "tiled":
@@ -246,34 +228,27 @@ def ngram_attention(
     return ngram_attention_op(h, perm, meta, count, impl)
 
 
-def check_plan(plan: object, ids: torch.Tensor, n: int) -> NGramPlan:
-    """Check that ``plan`` is an :class:`NGramPlan` built from these ``ids [B, L]`` and this ``n``.
+def ngram_attention_reference(h: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The dense reference of :func:`ngram_attention` (:func:`.reference.ngram_attention_reference`, the op's
+    spec: ``A(n) @ h`` with each row divided by its match count, O(B L^2)) behind the same argument checks.
 
-    Shapes, device and ``n`` are compared on the host. If ``plan.ids`` is the very tensor given, its
-    version counter tells whether it was written in place since the build (then refused). Otherwise
-    the ids are compared element by element; that compare goes through
-    ``check_values`` (a device-side assert on CUDA, no host sync) and reads ``2 B L`` ids, nothing next
-    to ``h``.
+    Returns:
+        ``[B, L, D]`` in ``h.dtype``, computed in fp32 (fp64 for fp64 ``h``); differentiable w.r.t. ``h``.
 
     Raises:
-        TypeError: ``plan`` is not an :class:`NGramPlan`.
-        ValueError: it was built for another ``n``, another shape, device or other ids.
+        ValueError/TypeError naming the argument, as :func:`ngram_attention`.
     """
-    if not isinstance(plan, NGramPlan):
-        raise TypeError(f"plan must be an NGramPlan (from ngram_plan(ids, n)), got {type(plan).__name__}")
-    if plan.n != n:
-        raise ValueError(f"plan was built for n={plan.n}, but n={n}; build one with ngram_plan(ids, {n})")
-    for name in (*NGramPlan._fields, "ids"):
-        check_shape(getattr(plan, name), f"plan.{name}", tuple(ids.shape), "ids.shape")
-    check_same_device(ids=ids, **{"plan.ids": plan.ids})
-    if plan.ids is ids:
-        # The plan holds the tensor itself (no copy): an in-place write since the build cannot be told
-        # apart from one that kept the values, so any write is refused.
-        if ids._version != plan._ids_version:
-            raise ValueError("plan was built from ids that were modified in place since; build a new ngram_plan")
-    else:
-        check_values(
-            (plan.ids.long() != ids.long()).any(),
-            "plan was built from other ids than the ids given; build it with ngram_plan(ids, n)",
-        )
-    return plan
+    ids, n = check_ngram_attention_args(h, ids, n)
+    return reference.ngram_attention_reference(h, ids, n)
+
+
+def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The n-gram match pattern ``A [B, L, L]`` (bool) of token ids ``ids [B, L]``
+    (:func:`.reference.ngram_match_matrix`): ``A[b, i, j]`` is true iff ``j < i`` and the n-gram ending at
+    ``i`` equals the one ending at ``j - 1``, with no negative (padding) id in either.
+
+    Raises:
+        TypeError: non-integer ``ids``, a non-int ``n``. ValueError: ``ids`` not 2-D or empty, ``n < 1``.
+    """
+    ids, n = check_ids_and_n(ids, n)
+    return reference.ngram_match_matrix(ids, n)

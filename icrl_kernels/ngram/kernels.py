@@ -66,12 +66,10 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, size_bucket
 
-# Measured on an H100 (2026-11-27, 19 autotune keys of the forward and of the backward, B 8-32, L 256-4096,
-# D 64-512, fp32 and bf16; benchmarks/results/gpu-2026-11-27-h100/): [32, 32] on 2 warps was best at 11 and
-# 9 keys, [128, 32] at 6 and 8, [64, 64] at 2 and 2. [64, 128] and [128, 64] on 8 warps, offered before,
-# never won (1.1-4.1x the best, 1.7-2.4x in geometric mean) and are no longer compiled and timed.
+# The configs that won autotune keys on an H100 (benchmarks/results/kernel-constants.md#n-gram-sort-configs);
+# the ones that never won are no longer compiled and timed.
 _CONFIGS = [
     triton.Config({"BLOCK_L": 64, "BLOCK_D": 64}, num_warps=4),
     triton.Config({"BLOCK_L": 128, "BLOCK_D": 32}, num_warps=4),
@@ -118,10 +116,10 @@ def chunk_length(batch: int, length: int, dim: int) -> int:
     """
     if _forced_chunk_length is not None:
         return _forced_chunk_length
-    programs_per_chunk = batch * triton.cdiv(dim, _MAX_BLOCK_D)
-    chunks_wanted = triton.cdiv(TARGET_PROGRAMS, programs_per_chunk)
+    programs_per_chunk = batch * cdiv(dim, _MAX_BLOCK_D)
+    chunks_wanted = cdiv(TARGET_PROGRAMS, programs_per_chunk)
     chunk = (length // chunks_wanted) // _MAX_BLOCK_L * _MAX_BLOCK_L
-    fewest = triton.cdiv(triton.cdiv(length, max_chunks(length)), _MAX_BLOCK_L) * _MAX_BLOCK_L
+    fewest = cdiv(cdiv(length, max_chunks(length)), _MAX_BLOCK_L) * _MAX_BLOCK_L
     return max(_MAX_BLOCK_L, chunk, fewest)
 
 
@@ -450,10 +448,10 @@ def ngram_forward_triton(
     batch, length, dim = h.shape
     out = empty_output(h.shape, dtype=h.dtype, device=h.device)
     chunk = chunk_length(batch, length, dim)
-    chunks = triton.cdiv(length, chunk)
+    chunks = cdiv(length, chunk)
     partial, boundary = _carry_buffers(batch, chunks, dim, h.device)
     if chunks > 1:
-        launch(_ngram_forward_carry_kernel, (batch * (chunks - 1), triton.cdiv(dim, _CARRY_BLOCK_D)))(
+        launch(_ngram_forward_carry_kernel, (batch * (chunks - 1), cdiv(dim, _CARRY_BLOCK_D)))(
             h, perm, meta, partial, boundary,
             length, dim, chunk, chunks,
             h.stride(0), h.stride(1),
@@ -461,7 +459,7 @@ def ngram_forward_triton(
         )  # fmt: skip
 
     def grid(meta_params):
-        return (batch * chunks, triton.cdiv(dim, meta_params["BLOCK_D"]))
+        return (batch * chunks, cdiv(dim, meta_params["BLOCK_D"]))
 
     launch(_ngram_forward_kernel, grid)(
         h, perm, meta, partial, boundary, out,
@@ -481,10 +479,10 @@ def ngram_backward_triton(
     batch, length, dim = grad_out.shape
     grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
     chunk = chunk_length(batch, length, dim)
-    chunks = triton.cdiv(length, chunk)
+    chunks = cdiv(length, chunk)
     partial, boundary = _carry_buffers(batch, chunks, dim, grad_out.device)
     if chunks > 1:
-        launch(_ngram_backward_carry_kernel, (batch * (chunks - 1), triton.cdiv(dim, _CARRY_BLOCK_D)))(
+        launch(_ngram_backward_carry_kernel, (batch * (chunks - 1), cdiv(dim, _CARRY_BLOCK_D)))(
             grad_out, perm, meta, count, partial, boundary,
             length, dim, chunk, chunks,
             grad_out.stride(0), grad_out.stride(1),
@@ -492,7 +490,7 @@ def ngram_backward_triton(
         )  # fmt: skip
 
     def grid(meta_params):
-        return (batch * chunks, triton.cdiv(dim, meta_params["BLOCK_D"]))
+        return (batch * chunks, cdiv(dim, meta_params["BLOCK_D"]))
 
     launch(_ngram_backward_kernel, grid)(
         grad_out, perm, meta, count, partial, boundary, grad_h,

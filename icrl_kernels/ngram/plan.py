@@ -11,7 +11,9 @@ backward is the same running sum taken from the other end of each segment.
 
 The plan stores, for each batch row, the permutation and one byte of flags per sorted position.
 Building it reads no tensor value on the host (:func:`ngram_keys` chooses its encoding from shapes and
-dtypes only), so on a GPU it is a queue of kernels with no synchronisation.
+dtypes only), so on a GPU it is a queue of kernels with no synchronisation. This module holds the plan
+and its PyTorch build; :mod:`.plan_kernels` builds the same plan in Triton, and the public
+:func:`icrl_kernels.ngram_plan` (a custom op, in :mod:`.function`) picks one of the two.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from .._library import inference_op
+from .._validation import INT_DTYPES, check_int, check_same_device, check_shape, check_tensor
 
 #: Bits of :attr:`NGramPlan.meta` (per sorted position k).
 SEGMENT_START = 1  # k starts a new n-gram segment
@@ -57,8 +59,6 @@ class NGramPlan:
     def __init__(
         self, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, *, ids: torch.Tensor, n: int
     ) -> None:
-        from .._validation import INT_DTYPES, check_int, check_same_device, check_shape, check_tensor
-
         check_tensor(ids, "ids", ndim=2, dtypes=INT_DTYPES)
         for name, value, dtype in (
             ("perm", perm, torch.int64),
@@ -177,39 +177,3 @@ def build_ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
         + valid_sorted.to(torch.uint8) * VALID_NGRAM
     )
     return NGramPlan(perm, meta, count, ids=ids, n=n)
-
-
-def _ngram_plan(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan's tensors: from the Triton plan kernels when ``use_kernels`` (the Triton backend: five
-    launches instead of ~40, :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
-    if use_kernels:
-        from .plan_kernels import build_ngram_plan_triton  # needs triton: imported only here
-
-        return build_ngram_plan_triton(ids, n)
-    return tuple(build_ngram_plan(ids, n))
-
-
-def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        ids.new_empty(ids.shape, dtype=torch.int64),
-        ids.new_empty(ids.shape, dtype=torch.uint8),
-        ids.new_empty(ids.shape, dtype=torch.int32),
-    )
-
-
-_ngram_plan_op = inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake)
-
-
-def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
-    """Build the :class:`NGramPlan` of ``ids [B, L]`` for n-gram length ``n`` (a torch custom op).
-
-    Computing a plan costs one sort of ``B x L`` keys; layers that share ids and ``n`` can share it
-    through ``ngram_attention(..., plan=plan)``.
-    """
-    from .._backend import resolve_backend
-    from .function import validate_ids_and_n
-
-    original_ids = ids
-    ids, n = validate_ids_and_n(ids, n)
-    use_kernels = resolve_backend("auto", ids.device) == "triton"
-    return NGramPlan(*_ngram_plan_op(ids, n, use_kernels), ids=original_ids, n=n)

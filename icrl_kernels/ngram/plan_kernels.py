@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import launch
+from .._triton import cdiv, launch
 from .kernels import _max_combine
 from .plan import _DTYPE_VOCAB, _KEY_LIMIT, PREVIOUS_ADJACENT, SEGMENT_START, VALID_NGRAM, build_ngram_plan
 
@@ -132,7 +132,7 @@ def ngram_keys_triton(ids: torch.Tensor, n: int) -> torch.Tensor | None:
                                              num_warps=_PLAN_WARPS)  # fmt: skip
     else:
         ranks = keys  # not read (RANKED is False): any int64 pointer
-    launch(_ngram_keys_kernel, (batch, triton.cdiv(length, PLAN_BLOCK_L)))(
+    launch(_ngram_keys_kernel, (batch, cdiv(length, PLAN_BLOCK_L)))(
         ids, ranks, keys, length, n, base, RANKED=ranked, BLOCK_L=PLAN_BLOCK_L, num_warps=_PLAN_WARPS
     )
     return keys

@@ -1,11 +1,15 @@
 """Dense eager reference of n-gram match attention: the specification of the op.
 
-O(B * L^2) time and memory; use it for tests and small inputs only.
+O(B * L^2) time and memory; use it for tests and small inputs only. The functions here take checked
+arguments (:mod:`.checks`); the public, checked ones are :func:`icrl_kernels.ngram_attention_reference`
+and :func:`icrl_kernels.ngram_match_matrix`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._library import compute_dtype
 
 
 def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -24,7 +28,7 @@ def ngram_match_matrix(ids: torch.Tensor, n: int) -> torch.Tensor:
     for k in range(min(n, length)):
         query_ids = ids[:, (i - k).clamp(min=0).squeeze(1)].unsqueeze(2)  # [B, L, 1]
         key_ids = ids[:, (j - 1 - k).clamp(min=0).squeeze(0)].unsqueeze(1)  # [B, 1, L]
-        match &= (query_ids == key_ids) & (query_ids >= 0)
+        match = match & (query_ids == key_ids) & (query_ids >= 0)
     return match
 
 
@@ -43,8 +47,8 @@ def ngram_attention_reference(h: torch.Tensor, ids: torch.Tensor, n: int) -> tor
     Returns:
         ``[B, L, D]`` in ``h.dtype``.
     """
-    compute_dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-    pattern = ngram_match_matrix(ids.long(), n).to(compute_dtype)
+    dtype = compute_dtype(h)
+    pattern = ngram_match_matrix(ids.long(), n).to(dtype)
     count = pattern.sum(dim=-1, keepdim=True)
-    out = (pattern @ h.to(compute_dtype)) / count.clamp(min=1)
+    out = (pattern @ h.to(dtype)) / count.clamp(min=1)
     return out.to(h.dtype)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, launch, size_bucket
+from .._triton import autotune, cdiv, launch, size_bucket
 
 # The first config of each list is the one the interpreter runs and a sensible default everywhere.
 # Chosen from offline sm_90 compiles at n = 1..4 (registers per thread; tests/test_ngram_api.py): with
@@ -39,10 +39,8 @@ from .._triton import autotune, launch, size_bucket
 # 128) the tile rebuilds at D = 512. The backward runs unpipelined (num_stages=1): its software
 # pipelining (prefetching the next query tile's ids, counts and grad_out) spilled 600-2500 B/thread at
 # n = 4, and without it every config stays at <= 244 registers and no spill.
-# Measured on an H100 (2026-11-27, 27 autotune keys, B 8-32, L 256-4096, D 64-512, n 1-2, fp32 and bf16;
-# benchmarks/results/gpu-2026-11-27-h100/): the forward's [64, 32, 64] won 15 keys, [64, 32, 256] 7 (D = 512)
-# and [64, 32, 128] 5; [128, 32, 64] and [64, 64, 128] on 8 warps, offered before, never won (1.06-2.0x the
-# best) and are no longer compiled and timed. Every backward config won somewhere (1-12 keys) and stays.
+# The forward configs that won autotune keys on an H100, and every backward config (each won somewhere):
+# benchmarks/results/kernel-constants.md#n-gram-tiled-configs.
 _FORWARD_CONFIGS = [
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 64}, num_warps=4),
     triton.Config({"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_D": 128}, num_warps=8),
@@ -219,7 +217,7 @@ def ngram_tiled_forward_triton(h: torch.Tensor, ids: torch.Tensor, n: int) -> tu
     count = empty_output((batch, length), dtype=torch.int32, device=h.device)
 
     def grid(meta):
-        return (triton.cdiv(length, meta["BLOCK_M"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
+        return (cdiv(length, meta["BLOCK_M"]), batch, cdiv(dim, meta["BLOCK_D"]))
 
     launch(_ngram_tiled_forward_kernel, grid)(
         h, ids, out, count,
@@ -238,7 +236,7 @@ def ngram_tiled_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, count
     grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
 
     def grid(meta):
-        return (triton.cdiv(length, meta["BLOCK_N"]), batch, triton.cdiv(dim, meta["BLOCK_D"]))
+        return (cdiv(length, meta["BLOCK_N"]), batch, cdiv(dim, meta["BLOCK_D"]))
 
     launch(_ngram_tiled_backward_kernel, grid)(
         grad_out, ids, count.contiguous(), grad_h,

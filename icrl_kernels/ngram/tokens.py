@@ -77,6 +77,6 @@ def transition_ids(
             f"{name} must be < {size} (its num_{name})",
             lambda value=value: f", got max {int(value.max())}",
         )
-        padding |= value < 0
+        padding = padding | (value < 0)  # not in place: under vmap (batched runs) value may carry a run dim
         ids = ids * size + value.clamp(min=0)
     return torch.where(padding, torch.full_like(ids, -1), ids)

@@ -1,6 +1,5 @@
 """Smeared keys (induction-heads lecture): per-head blend of each key with the previous position's key."""
 
-from .function import smeared_keys
-from .reference import smeared_keys_reference
+from .function import smeared_keys, smeared_keys_reference
 
 __all__ = ["smeared_keys", "smeared_keys_reference"]

@@ -6,29 +6,9 @@ import torch
 
 from .._backend import resolve_backend
 from .._library import differentiable_op
-from .._validation import KERNEL_FLOAT_DTYPES
-from .reference import (
-    check_smeared_keys_args,
-    compute_dtype_of,
-    next_positions,
-    previous_positions,
-    smear_weight,
-    smeared_keys_reference,
-)
-
-
-def smeared_keys_backward_eager(
-    grad_out: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Closed-form gradients in PyTorch: ``grad_k[j] = w g[j] + (1 - w) g[j + 1]`` and
-    ``grad_alpha[h] = w (1 - w) sum_{b, j, d} g[j] (k[j] - k[j - 1])`` with ``w = sigmoid(alpha[h])``."""
-    dtype = compute_dtype_of(k)
-    weight = smear_weight(alpha, dtype)
-    grad, keys = grad_out.to(dtype), k.to(dtype)
-    grad_k = weight * grad + (1 - weight) * next_positions(grad)
-    weight = weight.view(-1)
-    grad_alpha = (grad * (keys - previous_positions(keys))).sum(dim=(0, 2, 3)) * weight * (1 - weight)
-    return grad_k.to(k.dtype).contiguous(), grad_alpha.to(alpha.dtype)
+from . import reference
+from .checks import check_smeared_keys_args
+from .eager import smeared_keys_backward_eager, smeared_keys_forward_eager
 
 
 def _forward(k: torch.Tensor, alpha: torch.Tensor, impl: str) -> torch.Tensor:
@@ -36,8 +16,7 @@ def _forward(k: torch.Tensor, alpha: torch.Tensor, impl: str) -> torch.Tensor:
         from .kernels import smeared_keys_forward_triton
 
         return smeared_keys_forward_triton(k, alpha)
-    # Elementwise ops keep a strided input's layout; the op promises contiguous outputs (as its fake does).
-    return smeared_keys_reference(k, alpha).contiguous()
+    return smeared_keys_forward_eager(k, alpha)
 
 
 def _forward_fake(k, alpha, impl):
@@ -89,11 +68,21 @@ def smeared_keys(k: torch.Tensor, alpha: torch.Tensor, *, backend: str = "auto")
         and ``alpha``; arithmetic is fp32 whatever the input dtype (fp64 for fp64 inputs).
     """
     check_smeared_keys_args(k, alpha)
-    impl = resolve_backend(backend, k.device)
+    impl = resolve_backend(backend, k.device, kernel_inputs={"k": k, "alpha": alpha})
     if impl == "reference" or k.numel() == 0:  # nothing to launch for an empty batch, sequence or head
-        return smeared_keys_reference(k, alpha)
-    if impl == "triton":
-        for name, tensor in (("k", k), ("alpha", alpha)):
-            if tensor.dtype not in KERNEL_FLOAT_DTYPES:
-                raise TypeError(f"{name} must be float16, bfloat16 or float32 for backend='triton', got {tensor.dtype}")
+        return reference.smeared_keys_reference(k, alpha)
     return smeared_keys_op(k, alpha, impl)
+
+
+def smeared_keys_reference(k: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """The readable fp32 reference of :func:`smeared_keys` (:func:`.reference.smeared_keys_reference`, the
+    op's spec) behind the same argument checks: plain PyTorch ops, differentiated by autograd.
+
+    Returns:
+        ``[B, H, L, Dh]`` in ``k.dtype``, computed in fp32 (fp64 for fp64 inputs).
+
+    Raises:
+        ValueError/TypeError naming the argument, as :func:`smeared_keys`.
+    """
+    check_smeared_keys_args(k, alpha)
+    return reference.smeared_keys_reference(k, alpha)

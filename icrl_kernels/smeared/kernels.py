@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 
 #: Elements per program (BLOCK_L x BLOCK_D).
 _TILE_ELEMENTS = 4096
@@ -31,7 +31,7 @@ _MAX_BLOCK_L = 256
 
 def block_sizes(head_dim: int) -> tuple[int, int]:
     """``(BLOCK_L, BLOCK_D)`` for head width ``head_dim``: whole heads up to 128 features, ~4096-element tiles."""
-    block_d = min(triton.next_power_of_2(head_dim), _MAX_BLOCK_D)
+    block_d = min(next_power_of_2(head_dim), _MAX_BLOCK_D)
     block_l = min(max(16, _TILE_ELEMENTS // block_d), _MAX_BLOCK_L)
     return block_l, block_d
 
@@ -112,7 +112,7 @@ def _smeared_keys_backward_kernel(
 
 def _grid(k: torch.Tensor, block_l: int, block_d: int) -> tuple[int, int, int]:
     batch, heads, length, head_dim = k.shape
-    return batch * heads, triton.cdiv(length, block_l), triton.cdiv(head_dim, block_d)
+    return batch * heads, cdiv(length, block_l), cdiv(head_dim, block_d)
 
 
 def smeared_keys_forward_triton(k: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:

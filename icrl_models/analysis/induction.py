@@ -46,9 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from icrl_kernels import NGramAttention
-from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
-from icrl_kernels.ngram.reference import ngram_match_matrix
+from icrl_kernels import NGramAttention, SmearedKeyAttention, ngram_match_matrix
+from icrl_kernels.validation import check_device
 
 from ..models.ad import CausalSelfAttention
 
@@ -89,6 +88,7 @@ def repeated_random_tokens(
 
 def uniform_causal_pattern(batch: int, length: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """``[batch, 1, L, L]``: each query attends evenly to itself and every earlier key (a baseline for any score)."""
+    device = check_device(device) if device is not None else None
     causal = torch.ones(length, length, device=device).tril()
     return (causal / causal.sum(dim=-1, keepdim=True)).expand(batch, 1, length, length)
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._checks import check_generator
+from icrl_kernels.validation import check_generator
+
 from ..models.ad import ADModel
 from ..models.headless_ad import HeadlessADModel
 

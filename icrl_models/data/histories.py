@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..envs.base import as_index_array
+
 #: Version of the dataset layout (arrays and metadata keys); bump on an incompatible change.
 FORMAT_VERSION = 1
 ARRAY_FIELDS = ("states", "actions", "rewards", "dones", "lengths", "task_ids", "action_sets")
@@ -83,8 +85,13 @@ class LearningHistories:
         return returns
 
     def subset(self, indices) -> LearningHistories:
-        """The histories ``indices`` (a copy), with the same metadata."""
-        indices = np.asarray(indices)
+        """The histories ``indices`` (a copy), with the same metadata.
+
+        ``indices``: 1-D integer history indices in ``[0, num_histories)`` (repeats allowed); others raise
+        ``TypeError``/``ValueError`` naming ``indices``."""
+        indices = as_index_array(indices, "indices", low=0, high=self.num_histories)
+        if indices.ndim != 1:
+            raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
         return dataclasses.replace(
             self,
             **{name: np.asarray(getattr(self, name))[indices] for name in ARRAY_FIELDS},

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..files import atomic_open, atomic_path
 from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
 from .storage import histories_from_arrays
 
@@ -77,23 +77,15 @@ def export_histories(histories: LearningHistories, path: str | os.PathLike, form
     metadata = json.dumps(histories.metadata)
     if kind == "hdf5":
         h5py = _h5py()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(handle)
-    try:
-        if kind == "npz":
-            with open(temporary, "wb") as file:  # a file object: np.savez would append ".npz" to a name
-                np.savez(file, metadata=np.array(metadata), format=np.array(CONTAINER_FORMAT), **arrays)
-        else:
-            with h5py.File(temporary, "w") as file:
-                file.attrs["format"] = CONTAINER_FORMAT
-                file.attrs["metadata"] = metadata
-                for name, array in arrays.items():
-                    file.create_dataset(name, data=array)  # "task/x" creates the group "task"
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    if kind == "npz":
+        with atomic_open(path, "wb") as file:  # a file object: np.savez would append ".npz" to a name
+            np.savez(file, metadata=np.array(metadata), format=np.array(CONTAINER_FORMAT), **arrays)
+    else:
+        with atomic_path(path) as temporary, h5py.File(temporary, "w") as file:
+            file.attrs["format"] = CONTAINER_FORMAT
+            file.attrs["metadata"] = metadata
+            for name, array in arrays.items():
+                file.create_dataset(name, data=array)  # "task/x" creates the group "task"
     return path
 
 

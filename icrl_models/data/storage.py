@@ -8,11 +8,12 @@ Layout (little-endian)::
     header                 UTF-8 JSON: {"metadata": {...}, "arrays": {name: {dtype, shape, offset, nbytes, crc32}}}
     array bytes            each array C-contiguous at its offset (64-byte aligned), in header order
 
-Files are written atomically (a temporary file in the same folder, fsync, then rename), so an
-interrupted run never leaves a file that looks complete. Loading checks the magic, the header, the
-file size against the arrays it declares, the header's and every array's CRC-32, and then the contents
-(:meth:`LearningHistories.validate`); any problem raises :class:`DatasetError` naming it. Arrays are
-memory-mapped by default, so a dataset larger than memory can be sampled without reading it whole.
+Files are written atomically (a temporary file in the same folder, fsync, then rename:
+:mod:`icrl_models.files`), so an interrupted run never leaves a file that looks complete. Loading checks
+the magic, the header, the file size against the arrays it declares, the header's and every array's
+CRC-32, and then the contents (:meth:`LearningHistories.validate`); any problem raises
+:class:`DatasetError` naming it. Arrays are memory-mapped by default, so a dataset larger than memory can
+be sampled without reading it whole.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..files import atomic_open
 from .histories import ARRAY_FIELDS, DatasetError, LearningHistories
 
 MAGIC = b"ICRLHIST"
@@ -67,24 +68,12 @@ def save_histories(histories: LearningHistories, path: str | os.PathLike) -> Pat
     header = json.dumps({"metadata": histories.metadata, "arrays": table}).encode()
     data_start = _aligned(len(MAGIC) + _PREFIX.size + len(header))
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + _PREFIX.pack(len(header), zlib.crc32(header), 0) + header)
-            for name, array in arrays.items():
-                file.seek(data_start + table[name]["offset"])
-                file.write(array.reshape(-1).view(np.uint8).data)
-            file.truncate(data_start + offset)
-            file.flush()
-            os.fsync(file.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as file:
+        file.write(MAGIC + _PREFIX.pack(len(header), zlib.crc32(header), 0) + header)
+        for name, array in arrays.items():
+            file.seek(data_start + table[name]["offset"])
+            file.write(array.reshape(-1).view(np.uint8).data)
+        file.truncate(data_start + offset)
     return path
 
 
@@ -110,7 +99,45 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], int]:
         raise DatasetError(f"{path} has a corrupt header: {error}") from None
     if not isinstance(header, dict) or not {"metadata", "arrays"} <= set(header):
         raise DatasetError(f"{path} has a header without 'metadata' and 'arrays'")
+    for field, what in (("metadata", "a dict (a JSON object)"), ("arrays", "a dict (array name -> entry)")):
+        if not isinstance(header[field], dict):
+            raise DatasetError(f"{path}: header field {field!r} must be {what}, got {type(header[field]).__name__}")
+    for name, entry in header["arrays"].items():
+        _check_array_entry(path, name, entry)
     return header, _aligned(len(MAGIC) + _PREFIX.size + header_size)
+
+
+#: The fields of one array's header entry and what each must be.
+_ENTRY_FIELDS = ("dtype", "shape", "offset", "nbytes", "crc32")
+
+
+def _check_array_entry(path: Path, name: str, entry: Any) -> None:
+    """Raise :class:`DatasetError` naming the field unless ``entry`` is a well-formed array entry: a numpy
+    dtype string of a plain (non-object) type, a shape of ints >= 0, an offset and a byte count >= 0, a
+    CRC-32 in ``[0, 2^32)``; JSON bools and floats are not ints (``int()`` would quietly accept them)."""
+    field = f"header field 'arrays'[{name!r}]"
+    if not isinstance(entry, dict):
+        raise DatasetError(f"{path}: {field} must be a dict with {list(_ENTRY_FIELDS)}, got {type(entry).__name__}")
+    missing = [key for key in _ENTRY_FIELDS if key not in entry]
+    if missing:
+        raise DatasetError(f"{path}: {field} lacks {missing}")
+
+    def is_count(value: Any, high: int | None = None) -> bool:
+        return type(value) is int and value >= 0 and (high is None or value < high)
+
+    try:
+        dtype = np.dtype(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.hasobject or dtype.itemsize == 0:
+        raise DatasetError(f"{path}: {field}['dtype'] must name a numpy dtype such as '<i8', got {entry['dtype']!r}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or not all(is_count(size) for size in shape):
+        raise DatasetError(f"{path}: {field}['shape'] must be a list of ints >= 0, got {shape!r}")
+    for key, high in (("offset", None), ("nbytes", None), ("crc32", 2**32)):
+        if not is_count(entry[key], high):
+            bound = "in [0, 2^32)" if high else ">= 0"
+            raise DatasetError(f"{path}: {field}[{key!r}] must be an int {bound}, got {entry[key]!r}")
 
 
 def load_histories(
@@ -133,12 +160,8 @@ def load_histories(
     header, data_start = read_header(path)
     size = path.stat().st_size
     arrays: dict[str, np.ndarray] = {}
-    for name, entry in header["arrays"].items():
-        try:
-            dtype, shape = np.dtype(entry["dtype"]), tuple(int(v) for v in entry["shape"])
-            offset, nbytes = int(entry["offset"]), int(entry["nbytes"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise DatasetError(f"{path}: header entry of array {name!r} is malformed ({error})") from None
+    for name, entry in header["arrays"].items():  # each entry checked by read_header
+        dtype, shape, offset, nbytes = np.dtype(entry["dtype"]), tuple(entry["shape"]), entry["offset"], entry["nbytes"]
         if dtype.itemsize * int(np.prod(shape)) != nbytes:
             raise DatasetError(f"{path}: array {name!r} declares {nbytes} bytes for shape {shape} of {dtype}")
         end = data_start + offset + nbytes
@@ -150,7 +173,7 @@ def load_histories(
             array = np.memmap(path, dtype=dtype, mode="r", offset=data_start + offset, shape=shape)
         else:
             array = np.fromfile(path, dtype=dtype, count=int(np.prod(shape)), offset=data_start + offset).reshape(shape)
-        if verify and _crc32(array) != entry.get("crc32"):
+        if verify and _crc32(array) != entry["crc32"]:
             raise DatasetError(f"{path}: array {name!r} fails its checksum (the file is corrupt)")
         arrays[name] = array
 

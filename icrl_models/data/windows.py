@@ -18,7 +18,7 @@ import torch
 from einops import rearrange
 from torch.utils.data import Dataset
 
-from icrl_kernels._validation import check_values
+from icrl_kernels.validation import check_values
 
 from .._checks import is_integer
 from .histories import LearningHistories

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_finite, check_float, check_int
+from .._checks import check_finite, check_float
 from .base import BatchedEnv, as_index_array, check_positive_int
 
 BERNOULLI_DISTRIBUTIONS = ("train", "mirrored", "uniform")
@@ -33,9 +33,11 @@ def _arm_counts(rng: np.random.Generator, num_bandits: int, num_arms) -> np.ndar
 
 def _seed_words(seed) -> list[int]:
     """A task-distribution seed (a non-negative int, or a list of them) as the words of a seed sequence."""
+    from icrl_kernels.validation import check_int  # here: the environments import without torch (_checks.py)
+
     if isinstance(seed, (list, tuple)):
-        return [check_int(word, "seed", low=0) for word in seed]
-    return [check_int(seed, "seed", low=0)]
+        return [check_int(word, "seed", min_value=0) for word in seed]
+    return [check_int(seed, "seed", min_value=0)]
 
 
 def bernoulli_arm_means(

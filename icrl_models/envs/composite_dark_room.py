@@ -14,7 +14,6 @@ from functools import lru_cache
 
 import numpy as np
 
-from .._checks import check_int
 from .base import as_index_array
 from .grid import MOVE_NAMES, NUM_MOVES, GoalGridEnv, centre_cell, move_table
 
@@ -32,7 +31,9 @@ def action_moves(actions) -> np.ndarray:
 
 def action_name(action: int) -> str:
     """``"up-up-right"`` for a composite action id."""
-    action = check_int(action, "action", low=0, high=NUM_COMPOSITE_ACTIONS - 1)
+    from icrl_kernels.validation import check_int  # here: the environments import without torch (_checks.py)
+
+    action = check_int(action, "action", min_value=0, max_value=NUM_COMPOSITE_ACTIONS - 1)
     return "-".join(MOVE_NAMES[m] for m in action_moves(action))
 
 
@@ -57,7 +58,9 @@ def composite_action_sets(seed: int = 0) -> dict[str, np.ndarray]:
     * ``test``: the other 75; ``sliced_test``: the first 50 of ``test`` (the training set's size);
     * ``all``: ``train`` followed by ``test`` (125 actions).
     """
-    rng = np.random.default_rng([check_int(seed, "seed", low=0), 125])
+    from icrl_kernels.validation import check_int  # here: the environments import without torch (_checks.py)
+
+    rng = np.random.default_rng([check_int(seed, "seed", min_value=0), 125])
     order = rng.permutation(NUM_COMPOSITE_ACTIONS)
     train, test = order[:NUM_TRAIN_ACTIONS], order[NUM_TRAIN_ACTIONS:]
     return {

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_int
 from .base import check_positive_int
 
 #: Training-task counts used when none is given: Dark Room as the N-gram paper's main runs (60 of 81
@@ -32,10 +31,12 @@ def task_split(num_tasks: int, num_train: int, *, seed: int = 0) -> dict[str, np
     The split is a seeded permutation, the same on every machine for the same arguments; each part is
     returned sorted.
     """
+    from icrl_kernels.validation import check_int  # here: the environments import without torch (_checks.py)
+
     num_tasks = check_positive_int(num_tasks, "num_tasks")
     if isinstance(num_train, bool) or not isinstance(num_train, (int, np.integer)) or not 0 < num_train < num_tasks:
         raise ValueError(f"num_train must be an int in [1, {num_tasks - 1}], got {num_train}")
-    order = np.random.default_rng([check_int(seed, "seed", low=0), num_tasks]).permutation(num_tasks)
+    order = np.random.default_rng([check_int(seed, "seed", min_value=0), num_tasks]).permutation(num_tasks)
     return {"train": np.sort(order[:num_train]), "test": np.sort(order[num_train:])}
 
 

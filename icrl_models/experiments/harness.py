@@ -26,7 +26,6 @@ An experiment module (one per paper) uses these pieces and keeps only its paper'
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import shlex
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ..files import write_json, write_text
 
 if TYPE_CHECKING:  # the training stack is imported only by the commands that generate data
     from ..train import TrainConfig
@@ -271,7 +272,9 @@ def machine_description(device: Any = None) -> str:
     E.g. ``"AMD EPYC 7B13 (2 cores); torch 2.13.0+cpu; Python 3.11.9"``."""
     import torch
 
-    device = torch.device(device) if device is not None else None
+    from icrl_kernels.validation import check_device
+
+    device = check_device(device) if device is not None else None
     use_cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
     if use_cuda:
         hardware = f"GPU {torch.cuda.get_device_name(device)}"
@@ -312,10 +315,11 @@ def write_results(
     folder = run_folder(out_dir)
     paths = {"json": folder / f"{stem}.json"}
     # The provenance strings first, so that they are the first thing a reader of the file sees.
-    paths["json"].write_text(json.dumps({"command": command, "machine": machine, **result}, indent=1))
+    write_json(paths["json"], {"command": command, "machine": machine, **result})  # atomic, as every result file
     if markdown is not None:
-        paths["md"] = folder / f"{stem}.md"
-        paths["md"].write_text(f"Command: `{command}`\n\nMachine: {machine}\n\n{markdown.rstrip()}\n")
+        paths["md"] = write_text(
+            folder / f"{stem}.md", f"Command: `{command}`\n\nMachine: {machine}\n\n{markdown.rstrip()}\n"
+        )
     return paths
 
 

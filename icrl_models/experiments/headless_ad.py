@@ -52,7 +52,10 @@ from .._checks import check_float
 from .._cli import command_line
 from ..analysis import reward_dependence
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data import HistoryWindows, generate_histories, local_action_batch
+from ..files import save_figure, write_json
+from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
 from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
 from .harness import (
     cached_dataset,
@@ -197,8 +200,11 @@ class HeadlessExperimentConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile the training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False, metadata={"help": "CUDA only: replay each training step from a CUDA graph (icrl-train)"}
+    cuda_graph: str = dataclasses.field(
+        default="auto", metadata={"help": f"--cuda-graph of each run (icrl-train): {CUDA_GRAPH_HELP}", "const": "on"}
+    )
+    nonfinite: str = dataclasses.field(
+        default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
     )
     ablations: tuple[str, ...] = dataclasses.field(
         default=(),
@@ -218,6 +224,8 @@ class HeadlessExperimentConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
+        check_nonfinite_policy(self.nonfinite)
         if self.experiment not in EXPERIMENTS:
             raise ValueError(f"experiment must be one of {EXPERIMENTS}, got {self.experiment!r}")
         check_preset(self.preset, PRESETS)
@@ -252,7 +260,7 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
     data = out_dir / "train.icrl"
     configs = preset_configs(config.experiment, config.preset, out_dir, str(data), config.seed)
     overrides = {"device": config.device, "progress": config.progress, "threads": config.threads,
-                 "compile": config.compile, "cuda_graph": config.cuda_graph}  # fmt: skip
+                 "compile": config.compile, "cuda_graph": config.cuda_graph, "nonfinite": config.nonfinite}  # fmt: skip
     if config.steps is not None:
         overrides["steps"] = config.steps
     if config.experiment != "darkroom":
@@ -468,7 +476,7 @@ def _ablation_trial(train_config: TrainConfig, *, config: HeadlessExperimentConf
         cached["scores"] = _score_ablation(train_config, config, device)
     if "reward_use" not in cached:  # scores kept from before reward use was measured are reused
         cached["reward_use"] = _reward_use(train_config, config, device)
-    cache.write_text(json.dumps(cached, indent=1))
+    write_json(cache, cached)
     rows, reward_use = cached["scores"], cached["reward_use"]
     return {"scores": rows, "reward_use": reward_use, "seconds": round(time.perf_counter() - start, 1)}
 
@@ -614,8 +622,7 @@ def plot_scores(results: dict, path: Path) -> None:
     axis.set_ylim(min(0.0, axis.get_ylim()[0]), 1.25)  # headroom above the source's 1.0 for the legend
     axis.legend(loc="upper right")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 @command_line("icrl-headless")

@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from icrl_kernels._backend import BACKENDS
-from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
+from icrl_kernels import BACKENDS, SmearedKeyAttention
+from icrl_kernels.validation import check_int
 
-from .._checks import check_float, check_int, check_training_fields
+from .._checks import check_float, check_training_fields
 from .._cli import command_line
 from ..analysis.induction import (
     attention_sites,
@@ -65,6 +65,8 @@ from ..analysis.induction import (
     uniform_causal_pattern,
 )
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..files import save_figure, write_json
+from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .harness import (
     RunningLoss,
     StepCost,
@@ -126,6 +128,7 @@ class InductionConfig(SweepOptions):
     )  # fmt: skip
     out_dir: str = "runs/induction"
     progress: bool = True
+    nonfinite: str = dataclasses.field(default="stop", metadata={"help": NONFINITE_HELP})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -137,7 +140,7 @@ class InductionConfig(SweepOptions):
         check_float(self.smear_init, "smear_init")
         check_float(self.threshold, "threshold")
         for name in ("vocab_size", "context_len", "min_period", "d_model", "num_heads", "eval_every", "eval_batch"):
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
         if not 2 <= self.min_period <= self.max_period <= min(self.vocab_size, self.context_len):
             raise ValueError("need 2 <= min_period <= max_period <= min(vocab_size, context_len)")
         if not 2 <= self.eval_seq_len <= self.vocab_size or 2 * self.eval_seq_len > self.context_len:
@@ -302,6 +305,17 @@ def train_variant(
     evaluation = evaluate_model(model, eval_batch)
     _record(curves, 0, float("nan"), evaluation)
     running = RunningLoss()
+    # Watches every step (the gradient norm from the gradients: this step does not clip); read at evaluations.
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
+
+    @guard.watch
+    def train_step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = next_token_losses(model(tokens), tokens).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
     bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, position=position, leave=True)
     for step in bar:
         for group in optimizer.param_groups:
@@ -310,12 +324,9 @@ def train_variant(
             config.batch_size, config.context_len, config.vocab_size, config.min_period, config.max_period,
             generator=generator,
         )  # fmt: skip
-        loss = next_token_losses(model(tokens), tokens).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        running.add(loss)
+        running.add(train_step(tokens))
         if step % config.eval_every == 0 or step == config.steps:
+            skipped = guard.check()  # a diverged run ("stop") ends here, before it is evaluated
             evaluation = evaluate_model(model, eval_batch)
             _record(curves, step, running.mean(), evaluation)
             bar.set_postfix(loss=f"{curves['train_loss'][-1]:.3f}", induction=f"{curves['best_induction'][-1]:.2f}")
@@ -336,6 +347,7 @@ def train_variant(
         "head_importance_repeat_loss": importance,
         "induction_step": _first_step_at_least(curves["step"], curves["best_induction"], config.threshold),
         "steepest_loss_drop_step": _steepest_drop_step(curves["step"], curves["repeat_loss"]),
+        "skipped_steps": skipped,
         "wall_seconds": time.perf_counter() - start,
     }
 
@@ -383,8 +395,7 @@ def plot_phase_change(runs: dict[str, dict[str, dict]], path: Path, *, threshold
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def run_experiment(config: InductionConfig, *, command: str | None = None) -> dict:
@@ -489,7 +500,10 @@ def train_trial(trial: InductionTrial) -> dict:
                                position=trial.position)  # fmt: skip
         return {**result, "cpu_seconds": time.process_time() - start}
 
-    key = settings_key(trial.config, ("out_dir", "progress", "num_threads", "variants", "seeds"), variant=trial.name)
+    # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
+    key = settings_key(
+        trial.config, ("out_dir", "progress", "num_threads", "variants", "seeds", "nonfinite"), variant=trial.name
+    )
     return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)
 
 
@@ -686,7 +700,7 @@ def _phase_change_command(args: argparse.Namespace) -> int:
 def _ad_report_command(args: argparse.Namespace) -> int:
     report = ad_report(args.run_dir, repeat_episodes=args.repeat_episodes, num_windows=args.num_windows, seed=args.seed)
     path = Path(args.out) if args.out else Path(args.run_dir) / "induction_heads.json"
-    path.write_text(json.dumps(report, indent=1))
+    write_json(path, report)
     print(format_ad_report(report))
     print(f"wrote {path}")
     return 0

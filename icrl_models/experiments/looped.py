@@ -32,11 +32,22 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .._checks import check_int, check_training_fields
+from icrl_kernels.validation import check_int
+
+from .._checks import check_training_fields
 from .._cli import command_line, resolve_device
-from ..checkpoint import CHECKPOINT_VERSION, load_checkpoint, save_checkpoint
+from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import prepare_capturable, set_learning_rate
+from ..cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    CaptureError,
+    cuda_graph_mode,
+    eager_optimizer_state,
+    prepare_capturable,
+    set_learning_rate,
+    use_cuda_graph,
+)
+from ..files import save_figure
 from ..function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -48,6 +59,7 @@ from ..function_classes import (
 )
 from ..looped_step import make_graphed_train_step, make_optimizer, train_step
 from ..models.looped import LoopedConfig, LoopedTransformer
+from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .harness import (
     StepCost,
     command_string,
@@ -126,24 +138,26 @@ class LoopedExperimentConfig(SweepOptions):
     threads: int | None = _field("torch CPU threads (default: half the available cores, 1 to 4)")
     device: str = _field("cpu or cuda", "cpu")
     backend: str = _field("backend of the fused injection + LayerNorm op", "auto")
-    cuda_graph: bool = _field(
-        "CUDA only: capture each training step (loops, backward, Adam step) in one CUDA graph per curriculum "
-        "stage and replay it; evaluation replays graphs of 50 loops",
-        False,
-    )
+    cuda_graph: str = dataclasses.field(
+        default="auto",
+        metadata={"help": f"{CUDA_GRAPH_HELP}; one graph of the whole step (loops, backward, Adam) per curriculum "
+                  "stage, and evaluation replays graphs of 50 loops", "const": "on"},
+    )  # fmt: skip
     eval_every: int = _field("steps between logged errors at k on 256 fixed prompts", 250)
     checkpoint_every: int = _field("steps between checkpoints (a rerun resumes from them)", 1000)
+    nonfinite: str = _field(NONFINITE_HELP, "stop")
     out_dir: str = _field("output folder", "runs/looped")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         fill_from_preset(self, PRESETS)
         check_training_fields(self)
         for name in ("n_dims", "n_points", "d_model", "n_heads", "unlooped_layers", "loops_start", "loops_end",
                      "loops_increment", "loops_interval", "grad_loops", "curriculum_interval", "eval_prompts",
                      "eval_loop_factor", "eval_every"):  # fmt: skip
-            check_int(getattr(self, name), name, low=1)
-        check_int(self.seed, "seed", low=0)
+            check_int(getattr(self, name), name, min_value=1)
+        check_int(self.seed, "seed", min_value=0)
         self.seeds = as_tuple(self.seeds, int, "seeds")
         if any(seed < 0 for seed in self.seeds):
             raise ValueError(f"seeds must be ints >= 0, got {self.seeds}")
@@ -167,7 +181,8 @@ class LoopedExperimentConfig(SweepOptions):
     def points_schedule(self) -> Curriculum:
         return Curriculum(self.points_start, self.n_points, 2, self.curriculum_interval)
 
-    def model_config(self, looped: bool) -> LoopedConfig:
+    def model_config(self, looped: bool, graphed: bool = False) -> LoopedConfig:
+        """The model of the looped (or unlooped) run; ``graphed``: its no-grad loops replay CUDA graphs."""
         return LoopedConfig(
             n_dims=self.n_dims,
             max_points=self.n_points,
@@ -175,13 +190,13 @@ class LoopedExperimentConfig(SweepOptions):
             n_heads=self.n_heads,
             n_layers=1 if looped else self.unlooped_layers,
             backend=self.backend,
-            cuda_graph=self.cuda_graph and looped,
+            cuda_graph=graphed and looped,
         )
 
 
 #: Fields that do not change what a checkpoint holds (where and how fast a run goes, and when it stops).
 RUN_ONLY_FIELDS = ("steps", "eval_prompts", "eval_loop_factor", "skip_unlooped", "threads", "device", "out_dir",
-                   "checkpoint_every", "eval_every", "seeds",
+                   "checkpoint_every", "eval_every", "seeds", "nonfinite", "cuda_graph",
                    *(f.name for f in dataclasses.fields(SweepOptions)))  # fmt: skip
 
 
@@ -212,8 +227,8 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     """
     device = resolve_device(config.device)
     torch.manual_seed(config.seed)
-    model = LoopedTransformer(config.model_config(looped)).to(device)
-    graphed = config.cuda_graph and device.type == "cuda"
+    graphed = use_cuda_graph(config.cuda_graph, device)
+    model = LoopedTransformer(config.model_config(looped, graphed)).to(device)
     optimizer = make_optimizer(model.parameters(), config.learning_rate, capturable=graphed)
     generator = torch.Generator().manual_seed(config.seed + 1)
     function_class = config.function_class()
@@ -229,12 +244,19 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
     first_step = 0
     if path.exists():
         payload = load_checkpoint(path, expect_config=identity)
+        prompts_state = checkpoint_field(payload, path, "rng", "prompts", kind=torch.Tensor)
+        history = checkpoint_field(payload, path, "history", kind=dict)
         model.load_state_dict(payload["model"])
         optimizer.load_state_dict(payload["optimizer"])
         if graphed:
             prepare_capturable(optimizer)  # load_state_dict restores the saved flags, lr and step devices
-        generator.set_state(payload["rng"]["prompts"])
-        history, first_step = payload["history"], payload["step"]
+        generator.set_state(prompts_state)
+        first_step = payload["step"]
+    # Watches every step on the device; read below only at the log points (checkpoints are among them).
+    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=first_step)
+    if path.exists():
+        guard.saved(path, first_step)
+    watched_step = guard.watch(train_step)
     start = time.perf_counter() - history["wall_s"]
     label = name if looped else f"unlooped-{config.unlooped_layers}L"
     progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
@@ -254,13 +276,22 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
             key = (tuple(xs.shape), loops, grad_loops)
             if key != graph_key:  # a new curriculum stage: a new graph (the old one's memory freed first)
                 graph = None
-                graph = make_graphed_train_step(
-                    model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
-                )
+                try:
+                    graph = make_graphed_train_step(
+                        model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype,
+                        guard=guard,
+                    )  # fmt: skip
+                except CaptureError as error:
+                    if config.cuda_graph == "on":
+                        raise
+                    # --cuda-graph auto: the attempt changed nothing; this and the later steps run eagerly.
+                    print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
+                    graphed = False
                 graph_key = key
+        if graphed:
             loss = graph(xs, ys)
         else:
-            loss = train_step(
+            loss = watched_step(
                 model, optimizer, xs, ys, loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
             )
         # Loss normalised by the label variance, so curriculum stages are comparable.
@@ -268,6 +299,7 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
         done = step + 1
         log_now = done % config.eval_every == 0 or done % config.checkpoint_every == 0 or done == config.steps
         if log_now:
+            guard.check()  # a diverged run stops here, before its loss is logged or a checkpoint saved
             values = torch.stack([value for value, _ in pending]).tolist()
             history["loss"].extend(value / var for value, (_, var) in zip(values, pending))
             pending.clear()
@@ -280,9 +312,10 @@ def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTra
         if done % config.checkpoint_every == 0 or done == config.steps:
             history["wall_s"] = time.perf_counter() - start
             payload = {"version": CHECKPOINT_VERSION, "step": done, "config": identity, "model": model.state_dict(),
-                       "optimizer": optimizer.state_dict(), "rng": {"prompts": generator.get_state()},
+                       "optimizer": eager_optimizer_state(optimizer), "rng": {"prompts": generator.get_state()},
                        "history": history}  # fmt: skip
             save_checkpoint(payload, path)
+            guard.saved(path, done)
     history["wall_s"] = time.perf_counter() - start
     return model, history
 
@@ -559,8 +592,7 @@ def plot_results(report: dict, path: Path) -> None:
     curves.legend(fontsize=8)
     figure.suptitle(f"Looped transformer, {report['config']['task']}, d = {report['config']['n_dims']}")
     figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 @command_line("icrl-looped")

@@ -39,6 +39,11 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   sweep where the CPU budget allowed a third seed for one setting only.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
+* **Batched runs** (``--batch-runs K``, or ``auto``: as many as the device's memory holds, 4 on a CPU): up to
+  ``K`` unfinished runs of one model shape (model, sequence length, pre-norm, qk-norm, ...) train as one
+  batched model (``icrl_models.batched``), each with its own data stream, hyperparameters, checkpoint,
+  metrics and evaluation in its own run folder, equal to its single run up to fp32 rounding (dropout masks
+  aside); the schedulers hand out whole batches, and a killed sweep resumes per run.
 
 Presets (``--preset``; every field can still be set by its flag): ``goals`` (Dark Room, 10 / 20 / 30
 training goals, 1000 histories, 3 seeds) and ``key-to-door`` (Key-to-Door, 100 training goals, 500 /
@@ -55,7 +60,9 @@ the environment has one, the best single run, the source's numbers; then one row
 ``<stem>.png`` (one panel per setting: EMP against assignments, mean line and a ± sd band over seeds).
 The stem is ``ngram-ad-goals`` for the goals presets and ``key-to-door`` for the Key-to-Door presets.
 Without ``--preset`` (one setting, one seed by default) the command writes ``compare.json`` and
-``compare.png`` and prints its table.
+``compare.png`` and prints its table. Each setting and seed keeps its dataset and its trials' run folders
+in ``<out_dir>/goals<G>-histories<N>/seed<S>/`` (``train.icrl``, ``ad-000``, ``ngram_ad-000``, ...). The
+tables and figures are drawn by :mod:`icrl_models.experiments.ngram_ad_report`.
 """
 
 from __future__ import annotations
@@ -72,27 +79,28 @@ from pathlib import Path
 import numpy as np
 
 from .._cli import command_line
+from ..batched import CPU_AUTO_BATCH, RunBatch, auto_batch_runs, group_runs, train_batched
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data.generate import ENV_NAMES
 from ..envs.splits import DEFAULT_NUM_TRAIN_TASKS
+from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
 from ..train import TrainConfig, train
 from .harness import (
     cached_dataset,
     command_string,
     fill_from_preset,
-    format_stats,
     preset_help,
     print_cpu_estimate,
-    pyplot,
     run_folder,
     seed_stats,
     train_run_cpu_seconds,
     write_results,
 )
+from .ngram_ad_report import markdown_tables, plot_against_budget, plot_emp, trial_table
 from .sweep import SweepOptions, run_trials, sweep_options
 
 MODELS = {"ad": "AD", "ngram_ad": "N-Gram AD"}
-ENV_TITLES = {"dark_room": "Dark Room", "key_to_door": "Key-to-Door"}
 
 # Shared by the CPU presets: a few runs per setting and a small evaluation (20 held-out tasks, one rollout
 # each, 20 in-context episodes). Steps, measured (Dark Room, 20 goals, 1000 histories, seed 0, the default
@@ -245,9 +253,19 @@ class CompareConfig(SweepOptions):
     progress: bool = True
     threads: int = dataclasses.field(default=0, metadata={"help": "torch CPU threads (0: half the cores, 1 to 4)"})
     compile: bool = dataclasses.field(default=False, metadata={"help": "torch.compile each run's training forward"})
-    cuda_graph: bool = dataclasses.field(
-        default=False, metadata={"help": "CUDA only: replay each run's training steps from a CUDA graph (icrl-train)"}
+    cuda_graph: str = dataclasses.field(
+        default="auto", metadata={"help": f"each run's --cuda-graph (icrl-train): {CUDA_GRAPH_HELP}", "const": "on"}
     )
+    nonfinite: str = dataclasses.field(
+        default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
+    )
+    batch_runs: str = dataclasses.field(
+        default="1",
+        metadata={"help": "train up to K runs of one model shape (sequence length, pre-norm, qk-norm, model) as one "
+                  "batched model, each with its own data, hyperparameters, folder and results; auto: as many as "
+                  f"the device's memory takes (a CPU: {CPU_AUTO_BATCH}). Default 1: one run at a time",
+                  "metavar": "K"},
+    )  # fmt: skip
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -261,6 +279,8 @@ class CompareConfig(SweepOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_nonfinite_policy(self.nonfinite)
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         if self.preset is not None:
             fill_from_preset(self, PRESETS)
         for name, value in DEFAULTS.items():
@@ -270,6 +290,7 @@ class CompareConfig(SweepOptions):
             raise ValueError(f"hyperparameters must be one of {HYPERPARAMETERS}, got {self.hyperparameters!r}")
         if self.hyperparameters == "defaults":
             self.runs = 1  # one fixed assignment: more runs would repeat the same training
+        self.batch_runs = parse_batch_runs(self.batch_runs)
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         self.models = as_tuple(self.models, str, "models")
         if not self.models or len(set(self.models)) != len(self.models) or not set(self.models) <= set(MODELS):
@@ -323,11 +344,8 @@ class Trial:
     config: TrainConfig
 
 
-def _setting_folder(out: Path, config: CompareConfig, setting: tuple[int | None, int], seed: int) -> Path:
-    # One setting and one seed without a preset keep the flat layout of earlier versions (out/train.icrl,
-    # out/ad-000, ...), so that their run folders are found and reused.
-    if config.preset is None and len(config.settings()) == 1 and len(config.seeds) == 1:
-        return out
+def _setting_folder(out: Path, setting: tuple[int | None, int], seed: int) -> Path:
+    """``<out>/goals<G>-histories<N>/seed<S>``: the data and run folders of one setting and seed."""
     goals = "default" if setting[0] is None else setting[0]
     return out / f"goals{goals}-histories{setting[1]}" / f"seed{seed}"
 
@@ -354,7 +372,7 @@ def build_trials(config: CompareConfig) -> list[Trial]:
     trials = []
     for setting in config.settings():
         for seed in config.seeds:
-            folder = _setting_folder(out, config, setting, seed)
+            folder = _setting_folder(out, setting, seed)
             base = TrainConfig(
                 env=config.env, data=str(folder / "train.icrl"), num_histories=setting[1],
                 num_train_tasks=setting[0], source_episodes=config.source_episodes,
@@ -363,6 +381,7 @@ def build_trials(config: CompareConfig) -> list[Trial]:
                 num_heads=config.num_heads, num_layers=config.num_layers, eval_episodes=config.eval_episodes,
                 eval_envs_per_task=config.eval_envs_per_task, eval_tasks=config.eval_tasks or None, seed=seed,
                 progress=config.progress, threads=config.threads, compile=config.compile, cuda_graph=config.cuda_graph,
+                nonfinite=config.nonfinite,
             )  # fmt: skip
             for index, assignment in enumerate(draws[seed]):
                 for model in config.models:
@@ -450,7 +469,38 @@ def run_trial(config: TrainConfig) -> dict:
     finished = _finished(config.out_dir)
     if not finished:
         print_cpu_estimate(f"{config.model} run {config.out_dir}", train_run_cpu_seconds(config), device=config.device)
-    summary = train(config)
+    return _outcome(train(config), finished)
+
+
+def run_trial_batch(batch: RunBatch) -> dict:
+    """``--batch-runs``: train the runs of ``batch`` as one batched model (:func:`~icrl_models.batched.train_batched`;
+    a batch of one run is :func:`run_trial`) and score each; ``{"outcomes": [run_trial's dict per run]}``."""
+    configs = [dataclasses.replace(config, threads=batch.threads) for config in batch.configs]
+    if len(configs) == 1:
+        return {"outcomes": [run_trial(configs[0])]}
+    finished = [_finished(config.out_dir) for config in configs]
+    for config, done in zip(configs, finished):
+        if not done:  # the estimate of the run alone: a batch shares its steps, so it takes less
+            estimate = train_run_cpu_seconds(config)
+            print_cpu_estimate(f"{config.model} run {config.out_dir}", estimate, device=config.device)
+    return {"outcomes": [_outcome(summary, done) for summary, done in zip(train_batched(configs), finished)]}
+
+
+def parse_batch_runs(value) -> int | str:
+    """``--batch-runs``: an int >= 1 (a string of one) or ``"auto"``; a ``ValueError`` naming the flag otherwise."""
+    if value == "auto":
+        return value
+    try:
+        count = int(value) if isinstance(value, str) else value
+    except ValueError:
+        count = None
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"batch_runs must be an int >= 1 or 'auto', got {value!r}")
+    return count
+
+
+def _outcome(summary: dict, finished: bool) -> dict:
+    """A trial's outcome from its run's evaluation summary (see :func:`run_trial`)."""
     source, random = summary["source_final_return"], summary.get("random_final_return")
     return {
         "score": _number(summary["fraction_of_source"]),
@@ -544,246 +594,51 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
         print(f"{trials[to_run[index]].config.out_dir} ({outcome['status']}): {score} of the source's final return",
               file=sys.stderr)  # fmt: skip
 
-    if to_run:
+    if to_run and (config.batch_runs == 1 or config.report_only):
         ran = run_trials([trials[position].config for position in to_run], run_trial, sweep_options(config),
                          name=config.result_stem(), storage=out / "ray", on_outcome=report)  # fmt: skip
         for position, outcome in zip(to_run, ran):
             outcomes[position] = outcome
+    elif to_run:  # --batch-runs: whole batches of runs go to the scheduler, each one trial
+        configs = [trials[position].config for position in to_run]
+        # Finished runs are read back alone (nothing trains); the others batch among themselves.
+        finished = [index for index, run in enumerate(configs) if _finished(run.out_dir)]
+        unfinished = [index for index in range(len(configs)) if index not in set(finished)]
+        grouped = group_runs([configs[index] for index in unfinished], _batch_size(config, configs))
+        batches = [[index] for index in finished] + [[unfinished[i] for i in batch] for batch in grouped]
+        work = [RunBatch(tuple(configs[index] for index in batch), threads=config.threads) for batch in batches]
+        print(f"icrl-compare: {len(configs)} runs in {len(work)} batches (--batch-runs {config.batch_runs})",
+              file=sys.stderr)  # fmt: skip
+
+        def report_batch(index: int, ran: dict) -> None:
+            for member, outcome in zip(batches[index], ran["outcomes"]):
+                report(member, outcome)
+
+        ran = run_trials(work, run_trial_batch, sweep_options(config), name=config.result_stem(),
+                         storage=out / "ray", on_outcome=report_batch)  # fmt: skip
+        for batch, result in zip(batches, ran):
+            for member, outcome in zip(batch, result["outcomes"]):
+                outcomes[to_run[member]] = outcome
     result = {**_gather(config, trials, outcomes), "config": dataclasses.asdict(config)}
     draws = draw_assignments(config.seeds, config.runs, config.hyperparameters)
     result["assignments_by_seed"] = {str(seed): draw for seed, draw in draws.items()}
-    if len(result["settings"]) == 1 and len(config.seeds) == 1:  # the single-sweep fields of earlier versions
-        only = result["settings"][0]["expected_max_performance"]
-        result["assignments"] = draws[config.seeds[0]]
-        result["scores"] = {m: [r["score"] for r in result["trials"] if r["model"] == m] for m in config.models}
-        result["expected_max_performance"] = {m: only[m]["mean"] if only[m] else None for m in config.models}
     stem = config.result_stem()
     tables = markdown_tables(config, result)
     # Without a preset the table goes to stdout only (no .md), as before.
-    write_results(out, stem, result, None if config.preset is None else tables + "\n\n" + trial_table(result),
+    write_results(out, stem, result, None if config.preset is None else tables + "\n\n" + trial_table(config, result),
                   command=command)  # fmt: skip
     plot = plot_emp if config.hyperparameters == "table1" else plot_against_budget
     plot(config, result, out / f"{stem}.png")
-    print(tables + "\n\n" + trial_table(result))  # every trial's config, score and status (trained / reused)
+    print(tables + "\n\n" + trial_table(config, result))  # every trial's config, score and status (trained / reused)
     return result
 
 
-def _emp_rows(runs: int) -> list[int]:
-    """n = 1, 2, 4, 8, ... and ``runs`` itself."""
-    rows = [2**k for k in range(runs.bit_length()) if 2**k <= runs]
-    return rows if rows[-1] == runs else [*rows, runs]
-
-
-def _setting_title(config: CompareConfig, setting: dict) -> str:
-    env = ENV_TITLES.get(config.env, config.env)
-    goals = "" if setting["train_goals"] is None else f" {setting['train_goals']} training goals,"
-    return f"{env}:{goals} {setting['num_histories']} histories"
-
-
-def _score_caption(config: CompareConfig) -> str:
-    if config.hyperparameters == "defaults":
-        return (
-            f"Fraction of the source's final return with icrl-train's default hyperparameters ({config.steps} "
-            "steps a run, one run per model and seed), mean ± sd over seeds:"
-        )
-    return (
-        f"Expected max fraction of the source's final return after n assignments ({config.steps} steps a run), "
-        "mean ± sd over seeds:"
-    )
-
-
-def markdown_tables(config: CompareConfig, result: dict) -> str:
-    """Per setting: EMP at n = 1, 2, 4, ... runs (mean ± sd over seeds), the best single run, the source's numbers."""
-    models = config.model_names()
-    parts = []
-    for setting in result["settings"]:
-        emp = setting["expected_max_performance"]
-        seeds = ", ".join(map(str, setting["seeds"])) or "none"
-        if setting.get("seeds_not_run"):
-            seeds += f"; not run: {', '.join(map(str, setting['seeds_not_run']))}"
-        lines = [
-            f"## {_setting_title(config, setting)} (seeds {seeds})", "",
-            _score_caption(config), "",
-            "| assignments | " + " | ".join(models.values()) + " |", "|---|" + "---|" * len(models),
-        ]  # fmt: skip
-        if not setting["seeds"]:
-            lines[2:] = ["No seed has run all its trials here (`--report-only`): nothing to report."]
-            parts.append("\n".join(lines))
-            continue
-        for n in _emp_rows(config.runs):
-            cells = []
-            for curve in (emp[model] for model in models):
-                if curve is None:
-                    cells.append("n/a")
-                    continue
-                cells.append(format_stats({"mean": curve["mean"][n - 1], "std": curve["std"][n - 1],
-                                           "n": len(curve["seeds"])}))  # fmt: skip
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        success = setting.get("success_rate") or {}
-        if any(success.get(model) is not None for model in models):
-            which = "each run" if config.hyperparameters == "defaults" else "each seed's best-scoring run"
-            cells = [format_stats(success[model]) if success.get(model) else "n/a" for model in models]
-            lines += ["", f"Success rate (final episodes that solve the task) of {which}, mean ± sd over seeds: "
-                      + ", ".join(f"{name} {cell}" for name, cell in zip(models.values(), cells)) + "."]  # fmt: skip
-        best = setting["best"]
-        if best is None:
-            lines += ["", "Best single run: none scored (the source's final return was 0)."]
-        else:
-            success = "" if best["success_rate"] is None else f", success rate {best['success_rate']:.2f}"
-            where = f"{MODELS[best['model']]}, seed {best['seed']}, assignment {best['index']}"
-            lines += [
-                "",
-                f"Best single run: {where}: {best['score']:.3f} of the source{success} (`{best['out_dir']}`).",
-            ]
-        source = setting["source"]
-        if source["source_final_return"] is not None:
-            text = "The source algorithm on the same held-out tasks: final return "
-            text += format_stats(source["source_final_return"])
-            if source["source_success_rate"] is not None:
-                text += f", success rate {format_stats(source['source_success_rate'])}"
-            lines += ["", text + "."]
-        if source.get("random_score") is not None:
-            random = format_stats(source["random_score"])
-            lines += ["", f"The random policy there: {random} of the source's final return."]
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
-
-
-def _short(assignment: dict) -> str:
-    if not assignment:
-        return "icrl-train defaults"
-    a = assignment
-    return (f"seq {a['seq_len']}, pre-norm {int(a['pre_norm'])}, qk-norm {int(a['qk_norm'])}, "
-            f"ls {a['label_smoothing']:.2f}, lr {a['learning_rate']:.1e}, wd {a['weight_decay']:.1e}, "
-            f"res-drop {a['residual_dropout']:.2f}, emb-drop {a['embedding_dropout']:.2f}, "
-            f"subsample {a['episode_subsample']}")  # fmt: skip
-
-
-def trial_table(result: dict) -> str:
-    """One row per trial: setting, seed, model, assignment, score, success rate, status."""
-    lines = ["## Trials", "", "| goals | histories | seed | model | # | config | score | success | status |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in result["trials"]:
-        goals = "default" if r["num_train_tasks"] is None else r["num_train_tasks"]
-        score = "n/a" if r["score"] is None else f"{r['score']:.3f}"
-        success = "n/a" if r["success_rate"] is None else f"{r['success_rate']:.2f}"
-        lines.append(f"| {goals} | {r['num_histories']} | {r['seed']} | {MODELS[r['model']]} | {r['index']} | "
-                     f"{_short(r['assignment'])} | {score} | {success} | {r['status']} |")  # fmt: skip
-    return "\n".join(lines)
-
-
-def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
-    """One panel per setting: EMP against assignments for both models, mean line and a ± sd band over seeds."""
-    plt = pyplot()
-    from matplotlib.ticker import MaxNLocator
-
-    settings = result["settings"]
-    columns = min(3, len(settings))
-    rows = math.ceil(len(settings) / columns)
-    figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.5 * rows), dpi=120, squeeze=False)
-    x = np.arange(1, config.runs + 1)
-    for axis, setting in zip(axes.flat, settings):
-        for model, label in config.model_names().items():
-            curve = setting["expected_max_performance"][model]
-            if curve is None:
-                continue
-            mean, std = np.asarray(curve["mean"]), np.asarray(curve["std"])
-            marker = "o" if config.runs <= 32 else None  # a curve of one assignment is a single point
-            seeds = len(curve["seeds"])
-            axis.plot(x, mean, marker=marker, label=f"{label} ({seeds} seed{'' if seeds == 1 else 's'})")
-            axis.fill_between(x, mean - std, mean + std, alpha=0.25)
-        random = setting["source"].get("random_score")
-        if random is not None:
-            axis.axhline(random["mean"], color="gray", linestyle="--", linewidth=1, label="random policy")
-        axis.set_ylim(0, max(1.0, axis.get_ylim()[1]))  # 0 to the source: scores at the floor must look like it
-        if config.runs >= 32:  # the paper's hundreds of assignments: the first few matter most
-            axis.set_xscale("log")
-        else:
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-        axis.set_title(_setting_title(config, setting), fontsize=9)
-        axis.set_xlabel("hyperparameter assignments")
-        axis.set_ylabel("expected max fraction of source")
-        axis.grid(alpha=0.3)
-        if setting["seeds"]:
-            axis.legend(fontsize=8)
-        else:  # --report-only: no seed ran all its trials here
-            axis.text(0.5, 0.5, "not run", transform=axis.transAxes, ha="center", va="center", color="gray")
-    for axis in list(axes.flat)[len(settings) :]:
-        axis.set_visible(False)
-    figure.suptitle(f"{' vs '.join(config.model_names().values())}, {config.steps} steps per run (mean ± sd over "
-                    "seeds)", fontsize=10)  # fmt: skip
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-
-
-def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
-    """Fixed hyperparameters: each model's score against the data budget that varies (training goals, else
-    histories), mean ± sd over seeds with every seed's score as a dot, and the random policy's level; where
-    the environment has a success rate (Key-to-Door), a second panel shows it the same way beside the
-    source algorithm's."""
-    plt = pyplot()
-
-    settings = result["settings"]
-    by_goals = len({s["train_goals"] for s in settings}) > 1
-    key, label = ("train_goals", "training goals") if by_goals else ("num_histories", "learning histories")
-    x = [s[key] for s in settings]
-    models = config.model_names()
-    with_success = any(s.get("success_rate", {}).get(model) for s in settings for model in models)
-    figure, axes = plt.subplots(1, 2 if with_success else 1, figsize=(10 if with_success else 5.5, 3.8), dpi=120,
-                                squeeze=False)  # fmt: skip
-    spread = float(np.diff(x).min()) if len(x) > 1 else 1.0
-
-    def draw(axis, per_setting: list[tuple[float, float, list[float]] | None], name: str, offset: float) -> None:
-        """One model: ``(mean, sd, per-seed values)`` per setting as a line with error bars and dots."""
-        means = [np.nan if cell is None else cell[0] for cell in per_setting]
-        stds = [np.nan if cell is None else cell[1] for cell in per_setting]
-        line = axis.errorbar(x, means, yerr=stds, marker="o", capsize=3, label=name)
-        for position, cell in zip(x, per_setting):  # each seed's value, beside the mean
-            values = [] if cell is None else cell[2]
-            axis.scatter([position + offset * spread] * len(values), values, s=12, alpha=0.6,
-                         color=line.lines[0].get_color())  # fmt: skip
-
-    score_axis = axes[0][0]
-    for offset, (model, name) in zip((-0.1, 0.1), models.items()):
-        curves = [setting["expected_max_performance"][model] for setting in settings]
-        seeds = max((len(curve["seeds"]) for curve in curves if curve is not None), default=0)
-        cells = [None if curve is None else (curve["mean"][0], curve["std"][0],
-                                             [values[0] for values in curve["per_seed"].values()])
-                 for curve in curves]  # fmt: skip
-        draw(score_axis, cells, f"{name} ({seeds} seeds)", offset)
-    randoms = [s["source"].get("random_score") for s in settings]
-    if all(random is not None for random in randoms):
-        # The marker: with one setting there is no line to see.
-        score_axis.plot(x, [random["mean"] for random in randoms], color="gray", linestyle="--", marker="_",
-                        markersize=24, label="random policy")  # fmt: skip
-    score_axis.set_ylim(0, max(1.0, score_axis.get_ylim()[1]))
-    score_axis.set_ylabel("fraction of the source's final return")
-    env = ENV_TITLES.get(config.env, config.env)
-    score_axis.set_title(f"{env}: {' vs '.join(models.values())}, default hyperparameters, {config.steps} steps",
-                         fontsize=9)  # fmt: skip
-    if with_success:
-        success_axis = axes[0][1]
-        for offset, (model, name) in zip((-0.1, 0.1), models.items()):
-            stats = [s["success_rate"].get(model) for s in settings]
-            draw(success_axis, [None if st is None else (st["mean"], st["std"], st["values"]) for st in stats],
-                 name, offset)  # fmt: skip
-        sources = [s["source"].get("source_success_rate") for s in settings]
-        if all(source is not None for source in sources):
-            success_axis.plot(x, [source["mean"] for source in sources], color="black", linestyle=":", marker="_",
-                              markersize=24, label="source algorithm")  # fmt: skip
-        success_axis.set_ylim(0, 1)
-        success_axis.set_ylabel("success rate of the final episodes")
-        success_axis.set_title(f"{env}: episodes that solve the task", fontsize=9)
-    for axis in axes[0]:
-        axis.set_xlim(min(x) - 0.4 * spread, max(x) + 0.4 * spread)  # room for the per-seed dots, one setting too
-        axis.set_xticks(x)
-        axis.set_xlabel(label)
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
+def _batch_size(config: CompareConfig, configs: Sequence[TrainConfig]) -> int:
+    """``--batch-runs`` as a number of runs: ``auto`` asks :func:`~icrl_models.batched.auto_batch_runs`, which
+    shares the device's memory among the batches that run at once (worker processes)."""
+    if config.batch_runs != "auto":
+        return config.batch_runs
+    return auto_batch_runs(configs[0], share=sweep_options(config).trials_at_once(len(configs)))
 
 
 @command_line("icrl-compare")

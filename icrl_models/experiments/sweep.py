@@ -3,7 +3,9 @@ Ray Tune trials (the ``sweep`` extra).
 
 A trial is one training run: an ``icrl-train`` run (a :class:`~icrl_models.train.TrainConfig` with its own
 run folder) for ``icrl-compare`` and ``icrl-headless --ablations``, or a small dataclass naming one run of
-``icrl-markov``, ``icrl-looped`` or ``icrl-induction``. The experiment gives :func:`run_trials` the trials
+``icrl-markov``, ``icrl-looped`` or ``icrl-induction``; with ``icrl-compare --batch-runs K`` a trial is a
+:class:`~icrl_models.batched.RunBatch` of up to ``K`` runs trained as one batched model, so every scheduler
+hands out whole batches. The experiment gives :func:`run_trials` the trials
 and the module-level function that runs one; it gets the outcomes back in the trials' order, whichever way
 they ran, and gathers them exactly as before.
 
@@ -39,9 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_float, check_int
+from icrl_kernels.validation import check_int
+
+from .._checks import check_float
 from .._cli import ReportedFailure
 from ..config import torch_threads
+from ..files import write_json
+from ..nonfinite import TrainingDiverged
 
 SCHEDULERS = ("auto", "ray", "processes", "local")
 SWEEP_HINT = (
@@ -51,7 +57,8 @@ SWEEP_HINT = (
 
 
 class TrialsFailed(ReportedFailure):
-    """Trials of a sweep failed on Ray or in worker processes; the message names each one (with its log)."""
+    """Trials of a sweep failed (on Ray or in worker processes: any error, with its log; locally: a diverged
+    run); the message names each one."""
 
 
 def ray_tune_available() -> bool:
@@ -91,9 +98,17 @@ class SweepOptions:
             raise ValueError(f"trial_cpus must be > 0, got {self.trial_cpus}")
         if self.trial_gpus is not None and not check_float(self.trial_gpus, "trial_gpus") >= 0:
             raise ValueError(f"trial_gpus must be >= 0, got {self.trial_gpus}")
-        self.workers = check_int(self.workers, "workers", low=0)
+        self.workers = check_int(self.workers, "workers", min_value=0)
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
+
+    def trials_at_once(self, trials: int) -> int:
+        """How many of ``trials`` trials run at the same time on this machine: ``workers`` (0: the CPUs here /
+        ``trial_cpus``) with the processes scheduler, one otherwise (locally; on Ray, one per GPU by default)."""
+        if self.scheduler != "processes":
+            return 1
+        workers = self.workers or max(1, int(_available_cpus() // self.trial_cpus))
+        return max(1, min(workers, trials))
 
     def uses_ray(self, trials: int = 2) -> bool:
         """Whether ``trials`` trials run on Ray: always with ``"ray"``; with ``"auto"`` when Ray Tune is
@@ -130,20 +145,29 @@ def run_trials(
     Returns:
         the outcomes, in the order of ``configs``.
     Raises:
-        TrialsFailed: on Ray or in worker processes, after the other trials finished, naming each trial
-            that failed (locally a trial's exception propagates at once). A command prints it as one line.
+        TrialsFailed: after the other trials finished, naming each trial that failed: on Ray or in worker
+            processes any error; locally a run that diverged (:class:`~icrl_models.nonfinite.TrainingDiverged`),
+            while any other exception propagates at once (a bug). A command prints it as one line.
     """
     if options.scheduler == "processes":
         return _run_in_processes(configs, runner, options, log_dir=Path(storage) / name, on_outcome=on_outcome)
     if not options.uses_ray(len(configs)):
         if len(configs) > 1 and options.scheduler == "auto":
             print(f"icrl: {len(configs)} trials {SWEEP_HINT}", file=sys.stderr)
-        outcomes = []
+        outcomes: list[dict | None] = []
+        errors = []
         for index, config in enumerate(configs):
-            outcomes.append(runner(config))
+            try:
+                outcomes.append(runner(config))
+            except TrainingDiverged as error:  # a failed trial, not a bug: the others still run
+                print(f"icrl: trial {index} failed: {error}", file=sys.stderr)
+                errors.append(f"{index}: {type(error).__name__}: {error}")
+                outcomes.append(None)
+                continue
             if on_outcome is not None:
                 on_outcome(index, outcomes[-1])
-        return outcomes
+        _raise_failed(configs, outcomes, errors, "trials failed")
+        return outcomes  # type: ignore[return-value]
     return _run_on_ray(configs, runner, options, name=name, storage=Path(storage), on_outcome=on_outcome)
 
 
@@ -243,8 +267,7 @@ def _run_in_processes(
     ``spawn``-ed worker processes; each outcome is reported as it arrives, failures after all trials ended.
     An interrupt (Ctrl-C, a time limit's SIGINT) or a failing ``on_outcome`` terminates the workers at once."""
     threads, configs = _with_trial_threads(configs, options)
-    workers = options.workers or max(1, int(_available_cpus() // options.trial_cpus))
-    workers = max(1, min(workers, len(configs)))
+    workers = options.trials_at_once(len(configs))
     log_dir.mkdir(parents=True, exist_ok=True)
     logs = [log_dir / f"trial-{index:04d}.log" for index in range(len(configs))]
     print(f"icrl: {len(configs)} trials, {workers} at a time in worker processes (logs in {log_dir})", file=sys.stderr)
@@ -268,10 +291,16 @@ def _run_in_processes(
         raise
     finally:
         pool.join()
+    _raise_failed(configs, outcomes, errors, "trials failed in worker processes")
+    return outcomes  # type: ignore[return-value]
+
+
+def _raise_failed(configs: Sequence[Any], outcomes: Sequence[dict | None], errors: list[str], what: str) -> None:
+    """Raise :class:`TrialsFailed` naming each failed trial (``errors``) and the run folders left without an
+    outcome, if any trial failed."""
     if errors:
         missing = [getattr(configs[i], "out_dir", i) for i, outcome in enumerate(outcomes) if outcome is None]
-        raise TrialsFailed(f"trials failed in worker processes ({'; '.join(errors)}): {missing}")
-    return outcomes  # type: ignore[return-value]
+        raise TrialsFailed(f"{what} ({'; '.join(errors)}): {missing}")
 
 
 # --- results kept per trial (resuming experiments whose trials are not icrl-train runs) ---------------------
@@ -296,8 +325,5 @@ def reuse_or_run(path: str | Path, key: dict, run: Callable[[], dict]) -> dict:
         if stored.get("key") == key:
             return stored["outcome"]
     outcome = run()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"key": key, "outcome": outcome}))
-    partial.replace(path)
+    write_json(path, {"key": key, "outcome": outcome}, indent=None)
     return outcome

@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from icrl_kernels import NGramAttention, transition_ids
+from icrl_kernels.validation import check_generator, check_int
 
-from .._checks import check_float, check_generator, check_int
+from .._checks import check_float
 
 NGRAM_TOKEN_MODES = ("state", "transition")
 
@@ -64,13 +65,13 @@ class ADConfig:
     def __post_init__(self) -> None:
         check_backbone_fields(self)
         for name in ("num_actions", "num_rewards"):
-            check_int(getattr(self, name), name, low=1)
+            check_int(getattr(self, name), name, min_value=1)
         if self.select_tau is not None and not check_float(self.select_tau, "select_tau") > 0:
             raise ValueError(f"select_tau must be > 0 (or None: 1), got {self.select_tau}")
-        check_int(self.num_layers, "num_layers", low=0)
+        check_int(self.num_layers, "num_layers", min_value=0)
         if isinstance(self.ngram_sizes, (str, bytes)) or not hasattr(self.ngram_sizes, "__iter__"):
             raise TypeError(f"ngram_sizes must be a tuple of ints, got {self.ngram_sizes!r}")
-        self.ngram_sizes = tuple(check_int(n, "ngram_sizes", low=1) for n in self.ngram_sizes)
+        self.ngram_sizes = tuple(check_int(n, "ngram_sizes", min_value=1) for n in self.ngram_sizes)
         if self.ngram_tokens not in NGRAM_TOKEN_MODES:
             raise ValueError(f"ngram_tokens must be one of {NGRAM_TOKEN_MODES}, got {self.ngram_tokens!r}")
         if self.num_layers < 0 or self.num_layers + len(self.ngram_sizes) == 0:
@@ -83,8 +84,8 @@ def check_backbone_fields(config) -> None:
     """Check the transformer fields that AD and Headless-AD configs share (sizes, dropouts, head split);
     a ``ValueError`` / ``TypeError`` naming the field."""
     for name in ("num_states", "seq_len", "d_model", "num_heads"):
-        check_int(getattr(config, name), name, low=1)
-    check_int(config.observation_dim, "observation_dim", low=0)
+        check_int(getattr(config, name), name, min_value=1)
+    check_int(config.observation_dim, "observation_dim", min_value=0)
     for name in ("embedding_dropout", "residual_dropout", "attention_dropout"):
         if not 0.0 <= check_float(getattr(config, name), name, low=0.0) < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)}")
@@ -320,20 +321,19 @@ class ADModel(nn.Module):
         """Actions ``[B]`` for one new step: a draw from the softmax over ``available [B, A]`` actions at
         temperature ``config.select_tau`` (``sample``, with ``generator``) or the argmax."""
         check_generator(generator)
+        available = self.head_availability(available)
+        logits = self.step(state, states_t, prev_actions_t, prev_rewards_t)
+        return choose_actions(logits, available, sample, generator, self.config.select_tau)
+
+    def head_availability(self, available: torch.Tensor) -> torch.Tensor:
+        """``available [B, A]`` padded to the head's ``num_actions`` outputs (``ValueError`` for a larger set)."""
         num_actions, offered = self.config.num_actions, available.shape[1]
         if offered > num_actions:
             raise ValueError(
                 f"AD's action head has {num_actions} outputs but the environment offers {offered} actions: "
                 "AD must be retrained for larger action sets"
             )
-        available = F.pad(available, (0, num_actions - offered), value=False)
-        logits = self.step(state, states_t, prev_actions_t, prev_rewards_t).float()
-        logits = logits.masked_fill(~available, -torch.inf)
-        if sample:
-            if self.config.select_tau is not None:  # None leaves the logits as trained, bit for bit
-                logits = logits / self.config.select_tau
-            return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
-        return logits.argmax(dim=-1)
+        return F.pad(available, (0, num_actions - offered), value=False)
 
     @torch.no_grad()
     def step(self, state: ADDecodeState, states_t, prev_actions_t, prev_rewards_t) -> torch.Tensor:
@@ -347,6 +347,26 @@ class ADModel(nn.Module):
             x = block.step(x, position, ids, layer_state)
         state.steps += 1
         return self.action_head(self.final_norm(x))
+
+
+@torch.no_grad()
+def choose_actions(
+    logits: torch.Tensor,
+    available: torch.Tensor,
+    sample: bool,
+    generator: torch.Generator | None,
+    select_tau: float | None = None,
+) -> torch.Tensor:
+    """:meth:`ADModel.act`'s choice from ``logits [B, A]`` among ``available [B, A]`` actions: a draw from the
+    softmax of ``logits / select_tau`` (``sample``, with ``generator``; ``select_tau=None`` leaves the logits as
+    trained, bit for bit) or the argmax. Batched evaluation (:mod:`icrl_models.batched`) calls it per run, with
+    that run's generator and temperature, so that each run draws what it draws alone."""
+    logits = logits.float().masked_fill(~available, -torch.inf)
+    if sample:
+        if select_tau is not None:
+            logits = logits / select_tau
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[:, 0]
+    return logits.argmax(dim=-1)
 
 
 class ADDecodeState:
@@ -368,13 +388,15 @@ class ADDecodeState:
                 )
 
 
-def action_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float = 0.0) -> torch.Tensor:
+def action_loss(
+    logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float | torch.Tensor = 0.0
+) -> torch.Tensor:
     """Cross-entropy of ``logits [B, L, A]`` against ``batch["actions"]`` over unpadded steps (``batch["mask"]``)."""
     return masked_cross_entropy(logits, batch["actions"], batch["mask"], label_smoothing)
 
 
 def masked_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float = 0.0
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, label_smoothing: float | torch.Tensor = 0.0
 ) -> torch.Tensor:
     """Mean cross-entropy (fp32) of ``logits [..., A]`` against ``targets [...]`` over the steps where ``mask
     [...]`` (bool) is True; NaN when no step is.
@@ -382,11 +404,21 @@ def masked_cross_entropy(
     Padded steps are left out through ``ignore_index``, not by boolean indexing: ``logits[mask]`` has a
     shape that depends on the mask's values, so on a GPU every training step would wait for the device
     to count them, and the step could not be captured in a CUDA graph.
+
+    ``label_smoothing``: a float, or a 0-d tensor (the per-run value of runs trained as one batched model
+    under ``torch.func.vmap``, :mod:`icrl_models.batched`): the same loss as ``F.cross_entropy``'s, written
+    out, since ``F.cross_entropy`` takes a Python float only.
     """
     ignored = targets.masked_fill(~mask, _IGNORED)
-    return F.cross_entropy(
-        logits.flatten(0, -2).float(), ignored.flatten(), ignore_index=_IGNORED, label_smoothing=label_smoothing
-    )
+    flat_logits, flat_targets = logits.flatten(0, -2).float(), ignored.flatten()
+    if not isinstance(label_smoothing, torch.Tensor):
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=_IGNORED, label_smoothing=label_smoothing)
+    # (1 - e) * NLL(target) + e * mean over classes of -log p, averaged over the unpadded steps.
+    log_probs = F.log_softmax(flat_logits, dim=-1)
+    kept = flat_targets != _IGNORED
+    target_nll = -log_probs.gather(-1, flat_targets.clamp_min(0)[:, None])[:, 0]
+    smoothed = (1 - label_smoothing) * target_nll - label_smoothing * log_probs.mean(dim=-1)
+    return torch.where(kept, smoothed, 0.0).sum() / kept.sum()
 
 
 _IGNORED = -100  # cross_entropy's default ignore_index
@@ -396,4 +428,7 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "count_parameters", "masked_cross_entropy"]
+__all__ = [
+    "ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "choose_actions", "count_parameters",
+    "masked_cross_entropy",
+]  # fmt: skip

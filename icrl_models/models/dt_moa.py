@@ -36,13 +36,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from icrl_kernels._backend import BACKENDS
-from icrl_kernels._validation import check_values
-from icrl_kernels.modules.gpt2_block import GPT2Block
+from icrl_kernels import BACKENDS
+from icrl_kernels.modules import ATTENTION_IMPLEMENTATIONS, GPT2Block
+from icrl_kernels.validation import check_generator, check_values
 
-from .._checks import check_generator
 from ..data.histories import LearningHistories
-from ..envs.base import BatchedEnv
+from ..envs.base import BatchedEnv, as_index_array
 from .ad import masked_cross_entropy
 
 MOA_GATES = ("softmax", "sigmoid", "linear")
@@ -77,6 +76,10 @@ class DTMoAConfig:
     rtg_scale: float = 1.0
     #: Kernel backend of the MoA gating op ("auto", "triton", "eager", "reference").
     backend: str = "auto"
+    #: Attention of the MoA layers: "sdpa" (PyTorch's SDPA, then the gating op) or "fused" (one
+    #: ``gated_attention`` kernel with the gate in its epilogue; needs ``dropout=0``, and takes no head masks,
+    #: so head ablations need "sdpa"). Plain layers always use SDPA.
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         self.state_sizes = tuple(int(n) for n in self.state_sizes)
@@ -101,6 +104,12 @@ class DTMoAConfig:
             raise ValueError(f"rtg_scale must be > 0, got {self.rtg_scale}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {self.attention!r}")
+        if self.attention == "fused" and self.dropout > 0:
+            raise ValueError(
+                f"attention='fused' needs dropout=0 (its kernel has no attention dropout), got {self.dropout}"
+            )
 
     @property
     def num_states(self) -> int:
@@ -141,7 +150,8 @@ class DecisionTransformerMoA(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(
             GPT2Block(d, config.n_head, gate=config.gate if i in config.moa_layers else None, dropout=config.dropout,
-                      eps=config.layer_norm_epsilon, backend=config.backend)
+                      eps=config.layer_norm_epsilon, backend=config.backend,
+                      attention=config.attention if i in config.moa_layers else "sdpa")
             for i in range(config.n_layer)
         )  # fmt: skip
         self.ln_f = nn.LayerNorm(d, eps=config.layer_norm_epsilon)
@@ -399,8 +409,11 @@ class TrajectoryWindows:
         return int(self.states.size)
 
     def get_batch(self, starts) -> dict[str, torch.Tensor]:
-        """Windows starting at flat step indices ``starts`` (``[B]``)."""
-        starts = np.asarray(starts, dtype=np.int64)
+        """Windows starting at flat step indices ``starts`` (``[B]`` ints in ``[0, len(self))``; others raise
+        ``TypeError``/``ValueError`` naming ``starts``)."""
+        starts = as_index_array(starts, "starts", low=0, high=len(self))
+        if starts.ndim != 1:
+            raise ValueError(f"starts must be 1-D, got shape {starts.shape}")
         index = starts[:, None] + np.arange(self.context_len)[None, :]
         mask = index < self.episode_end[starts][:, None]
         index = np.where(mask, index, starts[:, None])  # padding repeats the first step (masked out)

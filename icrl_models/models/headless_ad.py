@@ -45,8 +45,9 @@ from einops import rearrange
 from torch import nn
 
 from icrl_kernels import ActionMap
+from icrl_kernels.validation import check_generator, check_int
 
-from .._checks import check_float, check_generator, check_int
+from .._checks import check_float
 from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields
 
 #: How a step becomes tokens: one joint token, or separate action, reward and state tokens.
@@ -90,8 +91,8 @@ class HeadlessADConfig:
 
     def __post_init__(self) -> None:
         check_backbone_fields(self)
-        check_int(self.embed_dim, "embed_dim", low=1)
-        check_int(self.num_layers, "num_layers", low=1)
+        check_int(self.embed_dim, "embed_dim", min_value=1)
+        check_int(self.num_layers, "num_layers", min_value=1)
         if not check_float(self.tau, "tau") > 0:
             raise ValueError(f"tau must be > 0, got {self.tau}")
         if self.step_tokens not in STEP_TOKENS:

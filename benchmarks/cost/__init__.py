@@ -1,6 +1,7 @@
-"""Shared type of the per-op cost models (``icrl_kernels/<op>/cost.py``) and the roofline bound.
+"""Cost models of the ops (``benchmarks/cost/<op>.py``), their shared type and the roofline bound.
 
-Each op's ``cost.py`` counts, as a function of the shape and dtype, the minimal bytes a fused
+Benchmarks and tests use them; they are not part of the installed package. Each op's module counts, as
+a function of the shape and dtype, the minimal bytes a fused
 implementation must move between device memory and the chip (every input of a pass read once, every
 output written once; intermediates that a fused kernel keeps on chip are not counted) and the
 floating-point operations of the math (a multiply-add is 2 FLOPs). The benchmarks record both and

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from icrl_kernels import (
+    NGramAttention,
     NGramDecodeState,
     NGramPlan,
     ngram_attention,
     ngram_attention_reference,
+    ngram_match_matrix,
     ngram_plan,
     transition_ids,
 )
@@ -41,6 +43,10 @@ def _step(h_t, ids_t, **state_args):
         return state.step(h_t, ids_t)
 
     return call
+
+
+def _reset(rows):
+    return lambda: NGramDecodeState(B, D, 2, L).reset(rows)
 
 
 def _transition(states=IDS, actions=IDS, rewards=IDS, **sizes):
@@ -98,7 +104,15 @@ BAD = [
         ValueError,
         "plan.perm must have shape",
     ),
-    # ngram_attention_reference (the spec checks nothing beyond what its math needs; see the table below)
+    # ngram_attention_reference: the op's checks (the spec behind them computes whatever the op accepts)
+    ("reference h int", lambda: ngram_attention_reference(H.long(), IDS, 2), TypeError, "h must have dtype"),
+    ("reference ids float", lambda: ngram_attention_reference(H, IDS.float(), 2), TypeError, "ids must have dtype"),
+    ("reference ids shape", lambda: ngram_attention_reference(H, IDS[:, :3], 2), ValueError, "ids must have shape"),
+    ("reference n zero", lambda: ngram_attention_reference(H, IDS, 0), ValueError, "n must be >= 1"),
+    # ngram_match_matrix
+    ("match ids float", lambda: ngram_match_matrix(IDS.float(), 2), TypeError, "ids must have dtype"),
+    ("match ids 1-D", lambda: ngram_match_matrix(IDS[0], 2), ValueError, "ids must be 2-D"),
+    ("match n float", lambda: ngram_match_matrix(IDS, 1.5), TypeError, "n must be an int"),
     # ngram_plan
     ("plan ids float", lambda: ngram_plan(IDS.float(), 2), TypeError, "ids must have dtype"),
     ("plan ids 1-D", lambda: ngram_plan(IDS[0], 2), ValueError, "ids must be 2-D"),
@@ -133,6 +147,23 @@ BAD = [
     ("state n tensor", _state(n=torch.tensor(2)), TypeError, "n must be an int"),
     ("state max_len 0", _state(max_len=0), ValueError, "max_len must be >= 1"),
     ("state dtype int", _state(dtype=torch.int64), TypeError, "dtype must be a floating dtype"),
+    ("state device unknown", _state(device="gpu"), ValueError, "device must name a device such as 'cpu'"),
+    ("state device float", _state(device=1.5), TypeError, "device must be a torch.device, str or int"),
+    (
+        "layer state device unknown",
+        lambda: NGramAttention(D, 2).init_decode_state(B, L, device="gpu"),
+        ValueError,
+        "device must name a device",
+    ),
+    # NGramDecodeState.reset
+    ("reset rows out of range", _reset([5]), ValueError, "rows must be row indices in [0, 2), got [5]"),
+    ("reset rows tensor out of range", _reset(torch.tensor([1, 5])), ValueError, "rows must be row indices in [0, 2)"),
+    ("reset rows negative", _reset(torch.tensor([-1])), ValueError, "rows must be row indices in [0, 2)"),
+    ("reset rows float", _reset(torch.tensor([1.0])), TypeError, "rows must have dtype"),
+    ("reset rows 2-D", _reset(torch.tensor([[1]])), ValueError, "rows must be 1-D"),
+    ("reset rows mask length", _reset(torch.ones(3, dtype=torch.bool)), ValueError, "rows must have shape"),
+    ("reset rows an int", _reset(1), TypeError, "rows must be a torch.Tensor, list or tuple"),
+    ("reset rows mixed list", _reset([True, 1]), TypeError, "rows must hold ints"),
     # NGramDecodeState.step
     ("step h_t 1-D", _step(H[0, 0], IDS[:, 0]), ValueError, "h_t must be 2-D"),
     ("step h_t int", _step(H[:, 0].long(), IDS[:, 0]), TypeError, "h_t must have dtype"),
@@ -210,4 +241,42 @@ def test_empty_transition_ids_and_decode_rows():
     assert transition_ids(empty, empty, empty, num_states=2, num_actions=2, num_rewards=2).shape == (0, 5)
     state = NGramDecodeState(1, 3, 2, max_len=2)
     state.reset(torch.zeros(0, dtype=torch.long))  # resets no row
+    state.reset([])  # an empty list too
     assert state.step(torch.ones(1, 3), torch.tensor([1])).abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [[1], (1,), torch.tensor([1]), torch.tensor([1], dtype=torch.int32), torch.tensor([False, True]), [False, True]],
+)
+def test_decode_reset_forgets_exactly_the_selected_rows(rows):
+    """Every accepted form of ``rows`` (indices as a list, tuple or integer tensor; a bool mask) resets row 1
+    only: row 0 keeps its context and matches as before, row 1 starts afresh."""
+    state, fresh = NGramDecodeState(B, D, 1, L), NGramDecodeState(B, D, 1, L)
+    for t in range(3):
+        state.step(H[:, t], IDS[:, t])
+    kept = NGramDecodeState(B, D, 1, L)
+    for t in range(3):
+        kept.step(H[:, t], IDS[:, t])
+    state.reset(rows)
+    out, out_kept, out_fresh = (s.step(H[:, 3], IDS[:, 3]) for s in (state, kept, fresh))
+    assert torch.equal(out[0], out_kept[0]) and torch.equal(out[1], out_fresh[1])
+
+
+def test_decode_reset_rows_out_of_range_is_a_device_check():
+    """On the GPU's code path (asynchronous value checks) an index out of range is a device assert, not a
+    raw IndexError, and with value checks off it resets nothing instead of writing out of bounds."""
+    from icrl_kernels import set_value_checks
+
+    state = NGramDecodeState(B, D, 1, L)
+    state.step(H[:, 0], IDS[:, 0])
+    previous = set_value_checks("async")
+    try:
+        with pytest.raises(RuntimeError, match="rows must be row indices"):
+            state.reset(torch.tensor([5]))
+        set_value_checks("off")
+        before = state.length.clone()
+        state.reset(torch.tensor([5]))
+        assert torch.equal(state.length, before)
+    finally:
+        set_value_checks(previous)

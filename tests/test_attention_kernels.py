@@ -12,14 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import gated_attention, gated_attention_reference, mixture_of_heads_reference, resolve_backend
-from icrl_kernels.testing import (
-    RMS_TOLERANCE,
-    assert_close_rel,
-    check_offline_reports,
-    run_offline_compile,
-    triton_devices,
-)
+from icrl_kernels.testing import RMS_TOLERANCE, assert_close_rel, triton_devices
 
 TRITON_DEVICES = triton_devices()
 needs_triton = pytest.mark.skipif(not TRITON_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
@@ -350,7 +345,7 @@ def test_triton_rejects_float64_and_wide_heads():
 _OFFLINE_COMPILE = """
 import itertools
 from icrl_kernels.attention import kernels
-from icrl_kernels.testing import CompileJob, compile_offline, config_jobs
+from benchmarks.kernel_tools import CompileJob, compile_offline, config_jobs
 
 # benchmarks/bench_gated_attention.py: B = 16, H = 12, L = 1024, Dh = 64 and 128 (the issue's head dims). q, k,
 # v as transpose(1, 2) views of a fused [B, L, 3, H, Dh] projection, gate logits [B, L, H], grad_out
@@ -389,6 +384,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile every kernel in every autotune config to
@@ -405,10 +401,10 @@ def test_kernels_compile_for_sm90_offline():
 
 
 def test_cost_model_hand_cases():
-    """The worked examples of :mod:`icrl_kernels.attention.cost` (B=1, H=2, L=2, Dh=16 bf16: N = 64 elements,
+    """The worked examples of :mod:`benchmarks.cost.attention` (B=1, H=2, L=2, Dh=16 bf16: N = 64 elements,
     R = 4 rows, G = 4 logits, 3 causal pairs a head)."""
-    from icrl_kernels._cost import OpCost
-    from icrl_kernels.attention.cost import fwd_bwd_cost, sdpa_fwd_bwd_cost, separate_ops_fwd_bwd_cost
+    from benchmarks.cost import OpCost
+    from benchmarks.cost.attention import fwd_bwd_cost, sdpa_fwd_bwd_cost, separate_ops_fwd_bwd_cost
 
     bf16 = torch.bfloat16
     # 17 N s + 24 R + (3 G t + 12 R) + ((8 - s) N + 2 N s); FLOPs 18 Dh pairs (6 pairs).

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernel_tools import run_offline_compile
 from icrl_kernels import inject_layer_norm, inject_layer_norm_reference, resolve_backend
 from icrl_kernels.looped.function import inject_layer_norm_backward_op, inject_layer_norm_op
 from icrl_kernels.testing import (
@@ -20,7 +21,6 @@ from icrl_kernels.testing import (
     assert_close_rel,
     fast_impls,
     fast_paths,
-    run_offline_compile,
     triton_devices,
 )
 
@@ -351,7 +351,7 @@ def test_triton_rejects_float64():
 
 _OFFLINE_COMPILE = """
 from icrl_kernels.looped import kernels
-from icrl_kernels.testing import CompileJob, compile_offline
+from benchmarks.kernel_tools import CompileJob, compile_offline
 
 FP32_POINTERS = {"mean_ptr", "rstd_ptr", "pos_partial_ptr", "weight_partial_ptr", "bias_partial_ptr"}
 
@@ -384,13 +384,14 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """CI has no GPU and runs the kernels in the interpreter, which accepts code the compiler rejects
     (and the reverse): compile both kernels to an sm_90 cubin (TTIR -> PTX -> ptxas) in a subprocess
     without ``TRITON_INTERPRET``, for the looped-transformer tile in bf16 and fp32 and a tiny one with every
     flag flipped, and check that none spills more than ``MAX_SPILL_BYTES`` per thread."""
-    from icrl_kernels.testing import check_offline_reports
+    from benchmarks.kernel_tools import check_offline_reports
 
     reports = run_offline_compile(_OFFLINE_COMPILE)
     assert len(reports) == 6

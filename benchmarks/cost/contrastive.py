@@ -1,4 +1,4 @@
-"""Cost models of InfoNCE and action selection (bytes and FLOPs per call; see :mod:`icrl_kernels._cost`).
+"""Cost models of InfoNCE and action selection (bytes and FLOPs per call; see :mod:`benchmarks.cost`).
 
 Shapes: ``pred [N, D]`` (all rows flattened), ``maps`` distinct action maps of ``A x D`` (1 when one map
 is shared by all rows, ``B`` for per-sequence maps), targets ``[N]`` int64. ``logits = pred @ E^T / tau``
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
+from . import OpCost, itemsize
 
 #: Bytes per row of the saved statistics a fused InfoNCE keeps between forward and backward (fp32 lse).
 _ROW_STATS_BYTES = 4

@@ -1,4 +1,4 @@
-"""Cost models of the looped block: the fused injection + LayerNorm op and whole loops (see :mod:`icrl_kernels._cost`).
+"""Cost models of the looped block: the fused injection + LayerNorm op and whole loops (see :mod:`benchmarks.cost`).
 
 Shapes: iterate ``Y`` and prompt ``P`` ``[B, L, D]``; one loop body of ``n_layers`` GPT-2 blocks (``D``
 wide, 4x MLP, causal attention) plus the final LayerNorm, as :class:`icrl_kernels.LoopedBlock` runs it.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
+from . import OpCost, itemsize
 
 
 def inject_layer_norm_fwd_bwd_cost(B: int, L: int, D: int, *, dtype: torch.dtype | str) -> OpCost:

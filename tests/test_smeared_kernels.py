@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.kernel_tools import check_offline_reports, run_offline_compile
 from icrl_kernels import resolve_backend
 from icrl_kernels.modules.smeared_attention import SmearedKeyAttention
 from icrl_kernels.smeared import smeared_keys, smeared_keys_reference
@@ -20,10 +21,8 @@ from icrl_kernels.testing import (
     RMS_TOLERANCE,
     TESTED_DTYPES,
     assert_close_rel,
-    check_offline_reports,
     fast_impls,
     fast_paths,
-    run_offline_compile,
     triton_devices,
 )
 
@@ -258,7 +257,7 @@ def test_module_compiles_fullgraph():
 
 _OFFLINE_COMPILE = """
 from icrl_kernels.smeared import kernels
-from icrl_kernels.testing import CompileJob, compile_offline
+from benchmarks.kernel_tools import CompileJob, compile_offline
 
 # benchmarks/bench_smeared_keys.py (docs/performance.md#targets, L = 1024): H = 12, Dh = 64 in bf16 (keys as the
 # [B, L, H, Dh] projection seen through transpose(1, 2), as the module passes them) and fp32 (contiguous
@@ -283,6 +282,7 @@ compile_offline(jobs)
 """
 
 
+@pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """The interpreter accepts code the compiler rejects: compile both kernels to sm_90 cubins with the

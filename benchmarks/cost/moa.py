@@ -1,4 +1,4 @@
-"""Cost models of MoA gating: the whole attention layer and the ``mixture_of_heads`` op (see :mod:`icrl_kernels._cost`).
+"""Cost models of MoA gating: the whole attention layer and the ``mixture_of_heads`` op (see :mod:`benchmarks.cost`).
 
 Shapes: ``x [B, L, D]`` with ``D = H * Dh``; ``head_out [B, L, H, Dh]``; ``gate_logits [B, L, H]``.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
+from . import OpCost, itemsize
 
 
 def attention_params(D: int, H: int, *, gated: bool = True) -> int:
@@ -56,8 +56,7 @@ def attention_fwd_bwd_cost(
                         recomputed, dv, dp, dq, dk: FlashAttention's count)
         total = 2 B L D (4D + g H) (2 + w) + 14 Dh pairs
 
-    The gating and softmax arithmetic (O(B L D)) is not counted, nor the up to 7 zero rows that pad the
-    gated projection to aligned strides (``PROJECTION_ALIGNMENT``; 4 of 2316 rows at GPT-2 small).
+    The gating and softmax arithmetic (O(B L D)) is not counted.
 
     Example: ``B=1, L=2, H=2, Dh=2`` (``D=4``) fp32, gated, causal, with weight gradients: ``P = 90``,
     ``4*8*4 + 3*90*4 = 1208`` bytes; ``2*2*4*18*3 + 14*2*6 = 864 + 168 = 1032`` FLOPs.

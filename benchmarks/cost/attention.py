@@ -1,4 +1,4 @@
-"""Cost models of gated, smeared causal attention (see :mod:`icrl_kernels._cost`): the fused Triton kernels and
+"""Cost models of gated, smeared causal attention (see :mod:`benchmarks.cost`): the fused Triton kernels and
 the separate-ops baseline (``smeared_keys`` -> SDPA -> ``mixture_of_heads``) they replace.
 
 Shapes: ``q, k, v [B, H, L, Dh]``, gate logits ``[B, L, H]``. Notation: ``N = B H L Dh`` head elements of
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
-from ..moa.cost import attention_pairs, mixture_of_heads_fwd_bwd_cost
-from ..smeared.cost import fwd_bwd_cost as smeared_keys_fwd_bwd_cost
+from . import OpCost, itemsize
+from .moa import attention_pairs, mixture_of_heads_fwd_bwd_cost
+from .smeared import fwd_bwd_cost as smeared_keys_fwd_bwd_cost
 
 
 def fwd_bwd_cost(
@@ -62,7 +62,7 @@ def fwd_bwd_cost(
         smear bwd : read dk' (4 N) and k (N s), write dk (N s)   (smeared_keys' backward kernel)
         total     = 17 N s + 24 R + g (3 G t + 12 R) + m ((8 - s) N + 2 N s)
 
-    FLOPs (``pairs`` = causal (query, key) pairs, :func:`icrl_kernels.moa.cost.attention_pairs`): forward
+    FLOPs (``pairs`` = causal (query, key) pairs, :func:`benchmarks.cost.moa.attention_pairs`): forward
     ``4 Dh`` a pair (``q k^T``, ``P V``); backward ``8 Dh`` in dkdv (``q k^T``, ``dP``, ``dV``, ``dK``) and
     ``6 Dh`` in dq (``q k^T``, ``dP``, ``dQ``), ``+ 2 Dh`` there for the linear gate (``P V`` again for
     ``<dY, O>``): ``(18 + 2 [linear]) Dh pairs``. Elementwise work (exp, gate, smear) is not counted, and

@@ -1,10 +1,10 @@
-"""Cost model of smeared keys (bytes and FLOPs of one forward + backward; see :mod:`icrl_kernels._cost`)."""
+"""Cost model of smeared keys (bytes and FLOPs of one forward + backward; see :mod:`benchmarks.cost`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._cost import OpCost, itemsize
+from . import OpCost, itemsize
 
 
 def fwd_bwd_cost(

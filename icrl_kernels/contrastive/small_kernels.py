@@ -1,0 +1,145 @@
+"""InfoNCE for action sets of one tile (``A <= 128``): loss and gradient for ``pred`` in one kernel.
+
+At Headless-AD's sizes (tens to a hundred actions) the fused path's work is tiny and its time goes to
+launches and host code (the H100 profile: ~0.16 ms of kernels in a 1.26 ms call). Here one program takes a
+tile of rows with every action at once, computes the logits (one ``tl.dot`` per ``BLOCK_D`` chunk of ``D``),
+each row's log-sum-exp, loss and status of the value checks (as the fused forward kernel does), and,
+in the same program, ``grad_pred[r] = (w_r / tau) sum_a (softmax - one_hot)[r, a] e_a`` from the logits
+it already holds: no recompute, no second launch. The row weights ``w`` are the reduction's, folded in
+the kernel (``1 / count`` of the non-ignored rows for ``"mean"``, 1 for ``"sum"``; 0 on ignored rows), or
+given per row (``reduction="none"``'s upstream gradient, in the backward). Precision as the fused
+kernels': the dot takes the unscaled ``softmax - one_hot`` in the input dtype, ``w / tau`` scales the fp32
+result, one rounding (``kernels.py``, module doc).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._library import empty_output
+from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from .kernels import (
+    _available,
+    _half_dot,
+    _layout_args,
+    _logits_tile,
+    _online_logsumexp,
+    _row_offsets,
+    _row_tile,
+    _softmax_minus_one_hot,
+    _store_row_results,
+    _store_single_tile_grad,
+)
+
+#: ``ROW_WEIGHTS`` of the kernel: how each non-ignored row's gradient weight ``w_r`` is found.
+WEIGHT_ONE, WEIGHT_MEAN, WEIGHT_GIVEN = 0, 1, 2
+_WEIGHT_MEAN, _WEIGHT_GIVEN = tl.constexpr(WEIGHT_MEAN), tl.constexpr(WEIGHT_GIVEN)  # the kernel's copies
+
+#: Output columns per gradient dot with fp32 inputs, whatever the config: IEEE fp32 dots run on FMA units, which
+#: keep a slice of both operands along the reduced axis (here all 128 actions) in each thread;
+#: ``[64, 128] x [128, 32]`` fp32 dots spilled 1.6-1.9 KB per thread on sm_90 (``kernels.py``, module doc).
+FMA_BLOCK_D = tl.constexpr(16)
+
+# The first config is the interpreter's and has the fused kernels' first tiles (32 rows, BLOCK_D = 32), so that
+# the fused grad_embeds kernel, which the map's gradient reuses, recomputes bit-identical logits (a lone
+# available action then has gradient exactly 0). Tiles of 64 rows and more keep Hopper's warpgroup MMA for bf16;
+# every config compiles for sm_90 with at most 32 bytes of spill per thread (tests/test_contrastive_kernels.py;
+# [64, 64] on 4 warps spilled 24 bytes in bf16 and 1.9 KB in fp32 before FMA_BLOCK_D).
+_SMALL_CONFIGS = [
+    triton.Config({"BLOCK_N": 32, "BLOCK_D": 32}, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8),
+    triton.Config({"BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8),
+    # (128 x 32 rows spilled 368 bytes a thread with an fp32 mask under Triton 3.6, the GPU image's: left out.)
+]
+
+
+@autotune(_SMALL_CONFIGS, key=["A", "D", "SIZE_BUCKET", "WRITE_GRAD"])
+@triton.jit
+def _infonce_small_kernel(
+    pred_ptr, embeds_ptr, mask_ptr, targets_ptr, weights_ptr, count_ptr, loss_ptr, lse_ptr, status_ptr, grad_ptr,
+    T, A, D, ROWS, tau, ignore_index, MASK_COLS, SIZE_BUCKET,
+    stride_pb, stride_pt, stride_eg, stride_ea, stride_mb, stride_mt, stride_ma, stride_gb, stride_gt,
+    HAS_MASK: tl.constexpr, HALF_DOT: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Per row: loss, log-sum-exp and status (``checks.ROW_*``), and with ``WRITE_GRAD`` the gradient for
+    ``pred`` under the row weights ``ROW_WEIGHTS`` (:data:`WEIGHT_ONE`, :data:`WEIGHT_MEAN`: ``1 / count``
+    with ``count`` read from ``count_ptr``, :data:`WEIGHT_GIVEN`: ``weights_ptr[r]``; 0 on ignored rows)."""
+    GRAD_D: tl.constexpr = BLOCK_D if HALF_DOT else FMA_BLOCK_D
+    group, local = _row_tile(ROWS, BLOCK_N)
+    row_ok = local < ROWS
+    rows = group * ROWS + local
+    embeds = embeds_ptr + group.to(tl.int64) * stride_eg
+    targets = tl.load(targets_ptr + rows, mask=row_ok, other=ignore_index)
+    actions = tl.arange(0, BLOCK_A)
+    logits = _logits_tile(
+        pred_ptr, embeds, mask_ptr, rows, row_ok, actions, T, A, D, tau, MASK_COLS,
+        stride_pb, stride_pt, stride_ea, stride_mb, stride_mt, stride_ma,
+        HAS_MASK, HALF_DOT, BLOCK_N, BLOCK_A, BLOCK_D,
+    )  # fmt: skip
+    hit = actions[None, :] == targets[:, None]
+    target_logit = tl.sum(tl.where(hit, logits, 0.0), axis=1)
+    available_actions = tl.zeros([BLOCK_N], dtype=tl.int32)
+    target_available = tl.zeros([BLOCK_N], dtype=tl.int32)
+    if HAS_MASK:  # counted from the mask itself, not from -inf logits (an infinite pred is not a masked action)
+        available = _available(
+            mask_ptr, rows, row_ok, actions, T, A, MASK_COLS, stride_mb, stride_mt, stride_ma, HAS_MASK
+        )  # fmt: skip
+        available_actions = tl.sum(available.to(tl.int32), axis=1)
+        target_available = tl.sum((hit & available).to(tl.int32), axis=1)
+    row_max, row_sum = _online_logsumexp(
+        tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32), logits
+    )  # fmt: skip
+    lse = _store_row_results(
+        lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, row_max, row_sum, target_logit,
+        available_actions, target_available, A, ignore_index, HAS_MASK,
+    )  # fmt: skip
+    if WRITE_GRAD:
+        if ROW_WEIGHTS == _WEIGHT_GIVEN:
+            weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+        elif ROW_WEIGHTS == _WEIGHT_MEAN:
+            weight = tl.zeros([BLOCK_N], dtype=tl.float32) + 1.0 / tl.load(count_ptr).to(tl.float32)
+        else:
+            weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+        # No division by a count of 0: where every row is ignored no row takes the weight.
+        row_scale = tl.where(targets != ignore_index, weight, 0.0) / tau
+        grad_logits = _softmax_minus_one_hot(logits, lse, targets, actions)
+        grad_rows = grad_ptr + _row_offsets(rows, T, stride_gb, stride_gt)
+        _store_single_tile_grad(
+            grad_rows, embeds, grad_logits, row_scale, row_ok, actions, A, D, stride_ea, HALF_DOT, GRAD_D
+        )  # fmt: skip
+
+
+def infonce_small_triton(
+    pred, embeds, targets, mask, tau: float, ignore_index: int, *, write_grad: bool, weights=None, count=None
+):
+    """Canonical inputs (see :mod:`.function`; ``A <= 128``) -> ``(loss, lse, status, grad_pred)``: per-row
+    float32 losses and log-sum-exps and int8 statuses ``[B, T]``, and, with ``write_grad``, the gradient for
+    ``pred`` (its dtype and shape) under the row weights ``weights`` (float32 ``[B, T]``) if given, else
+    ``1 / count`` (``count``: the number of non-ignored rows, a one-element int64 device tensor) if given,
+    else 1; ``None`` without ``write_grad``."""
+    batch, steps, dim = pred.shape
+    num_actions = embeds.shape[1]
+    groups, rows, (mask_t, mask_cols, smb, smt, sma) = _layout_args(pred, embeds, mask)
+    losses = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
+    lse = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
+    status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
+    grad = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if write_grad else None
+    row_weights = WEIGHT_GIVEN if weights is not None else WEIGHT_MEAN if count is not None else WEIGHT_ONE
+    # Pointers a variant never reads stand in for the absent tensors.
+    out = grad if write_grad else pred
+
+    def grid(meta):
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
+
+    launch(_infonce_small_kernel, grid)(
+        pred, embeds, mask_t, targets, losses if weights is None else weights, targets if count is None else count,
+        losses, lse, status, out,
+        steps, num_actions, dim, rows, tau, ignore_index, mask_cols, size_bucket(rows),
+        pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma, out.stride(0), out.stride(1),
+        HAS_MASK=mask is not None, HALF_DOT=_half_dot(pred.dtype), WRITE_GRAD=write_grad, ROW_WEIGHTS=row_weights,
+        BLOCK_A=max(16, next_power_of_2(num_actions)),
+    )  # fmt: skip
+    return losses, lse, status, grad
