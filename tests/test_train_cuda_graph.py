@@ -209,6 +209,73 @@ def test_graphed_runner_equals_eager_runner_with_an_emulated_graph(
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", cpu_backends())
+def test_induction_step_graphed_equals_eager_and_reads_no_value_on_host(
+    emulated_cuda_graphs, capturable_on_cpu, backend
+):
+    """icrl-induction's step (an attention-only model with smeared keys) reads no device value on the host, and
+    StepRunner's graphed path (capture emulated, a guard, a learning rate changing every step) trains it exactly
+    as the eager path."""
+    from icrl_models.cuda_graphs import StepRunner, set_learning_rate
+    from icrl_models.experiments.induction_heads import (
+        AttentionOnlyTransformer,
+        induction_train_step,
+        repeated_segments,
+    )
+    from icrl_models.nonfinite import NonFiniteGuard
+
+    losses, weights = {}, {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = AttentionOnlyTransformer(16, 12, 16, 2, 2, smear=True, backend=backend)
+        optimizer = torch.optim.AdamW(model.parameters(), 1e-2)
+        prepare_capturable(optimizer)
+        guard = NonFiniteGuard(model, optimizer, policy="stop", log=lambda line: None)
+        graphs = emulated_cuda_graphs(model, optimizer, guard.state_tensors())
+        runner = StepRunner(
+            lambda batch, m=model, o=optimizer: induction_train_step(m, o, batch["tokens"]), model, optimizer,
+            torch.device("cpu"), guard=guard,
+        )  # fmt: skip
+        runner.graphed = graphed
+        generator = torch.Generator().manual_seed(1)
+        steps = []
+        with gpu_value_checks(), HostReadDetector() as detector:
+            for step in range(4):
+                set_learning_rate(optimizer, 1e-2 * (step + 1) / 4)
+                steps.append(runner({"tokens": repeated_segments(4, 12, 16, 2, 4, generator=generator)}))
+        if not graphed:  # the graphed path reads on purpose: its emulation restores the warm-up state
+            assert not detector.reads, f"the induction step reads device values on the host: {detector.reads}"
+        assert graphs.captures == graphed and guard.check() == 0
+        losses[graphed] = torch.stack(steps)
+        weights[graphed] = [p.detach().clone() for p in model.parameters()]
+    torch.testing.assert_close(losses[True], losses[False], rtol=0, atol=0)
+    for got, want in zip(weights[True], weights[False]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_induction_cuda_graph_flag_off_cuda(tmp_path, capsys):
+    """``icrl-induction --cuda-graph`` (the flag alone is "on") on the CPU notes in one line that it is ignored and
+    trains as ``--cuda-graph off``; a bad mode names the flag."""
+    from icrl_models.experiments.induction_heads import main
+
+    args = ["--variants", "1L-smear", "--steps", "2", "--eval-every", "1", "--vocab-size", "12", "--context-len", "12",
+            "--min-period", "3", "--max-period", "5", "--eval-seq-len", "5", "--d-model", "8", "--num-heads", "2",
+            "--eval-batch", "2", "--batch-size", "2", "--backend", "eager", "--device", "cpu",
+            "--no-progress"]  # fmt: skip
+    summaries = {}
+    for mode in ("off", None):
+        out = tmp_path / str(mode)
+        flags = ["--cuda-graph"] if mode is None else ["--cuda-graph", mode]
+        assert main([*args, *flags, "--out-dir", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert ("cuda_graph: ignored on cpu (CUDA only); training eagerly" in err) == (mode is None)
+        report = json.loads((out / "induction.json").read_text())
+        summaries[mode] = report["results"]["1L-smear"]["curves"]["train_loss"]
+    assert summaries[None] == summaries["off"]
+    assert main([*args, "--cuda-graph", "yes", "--out-dir", str(tmp_path / "bad")]) == 2
+    assert "cuda_graph must be one of" in capsys.readouterr().err
+
+
 def _linear_step(model, optimizer, *, read_on_call=None):
     """A tiny training step; with ``read_on_call=k`` its k-th call reads a device value on the host."""
     calls = []
@@ -551,6 +618,32 @@ def test_graphed_dt_moa_steps_match_eager(gate):
         losses[graphed] = torch.stack([runner(batch) for batch in batches]).float().cpu()
         assert runner.graphed == graphed
     assert_close_rel(losses[True], losses[False], rms_tol=2e-2, name=f"DT-MoA ({gate}) losses, graphed against eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_induction_training_matches_eager(tmp_path):
+    """icrl-induction on CUDA: the variants trained with each step replayed from a graph (Triton smeared keys)
+    follow the eagerly trained ones, loss curve and final induction score."""
+    from icrl_models.experiments.induction_heads import InductionConfig, run_experiment
+
+    reports = {}
+    for mode in ("off", "on"):
+        config = InductionConfig(
+            variants=("1L-smear", "2L"), vocab_size=16, context_len=16, min_period=3, max_period=6, d_model=16,
+            num_heads=2, steps=12, batch_size=8, warmup_steps=2, eval_every=4, eval_batch=8, eval_seq_len=6,
+            device="cuda", cuda_graph=mode, out_dir=str(tmp_path / mode), progress=False,
+        )  # fmt: skip
+        reports[mode] = run_experiment(config)
+    for variant in ("1L-smear", "2L"):
+        got, want = (reports[mode]["results"][variant] for mode in ("on", "off"))
+        assert_close_rel(
+            torch.tensor(got["curves"]["train_loss"][1:]), torch.tensor(want["curves"]["train_loss"][1:]),
+            rms_tol=1e-3, name=f"induction {variant}: training loss, graphed against eager",
+        )  # fmt: skip
+        assert got["final"]["best_induction"]["score"] == pytest.approx(
+            want["final"]["best_induction"]["score"], abs=1e-4
+        )
 
 
 @pytest.mark.gpu

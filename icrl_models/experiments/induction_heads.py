@@ -49,7 +49,7 @@ from icrl_kernels import BACKENDS, SmearedKeyAttention
 from icrl_kernels.validation import check_int
 
 from .._checks import check_float, check_training_fields
-from .._cli import command_line
+from .._cli import command_line, resolve_device
 from ..analysis.induction import (
     attention_sites,
     capture_attention,
@@ -65,6 +65,15 @@ from ..analysis.induction import (
     uniform_causal_pattern,
 )
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
+from ..cuda_graphs import (
+    CUDA_GRAPH_HELP,
+    StepRunner,
+    cuda_graph_mode,
+    pinned,
+    prepare_capturable,
+    set_learning_rate,
+    use_cuda_graph,
+)
 from ..files import save_figure, write_json
 from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
 from .harness import (
@@ -114,6 +123,8 @@ class InductionConfig(SweepOptions):
     #: Induction score of the best head above which the model "has an induction head".
     threshold: float = 0.4
     backend: str = dataclasses.field(default="auto", metadata={"help": "smeared-key kernels: auto, triton, eager"})
+    device: str = dataclasses.field(default="auto", metadata={"help": "auto (CUDA if there is one), cpu, cuda, ..."})
+    cuda_graph: str = dataclasses.field(default="auto", metadata={"help": CUDA_GRAPH_HELP, "const": "on"})
     #: Models this small gain nothing from intra-op threads, and on a CPU shared with other jobs a
     #: second OpenMP thread spin-waiting for its core made steps 25x slower (measured, 2 cores).
     num_threads: int = dataclasses.field(
@@ -147,6 +158,7 @@ class InductionConfig(SweepOptions):
             raise ValueError("need 2 <= eval_seq_len <= vocab_size and 2 * eval_seq_len <= context_len")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        self.cuda_graph = cuda_graph_mode(self.cuda_graph)
         self.variant_specs()
 
     def variant_specs(self) -> list[tuple[str, int, bool]]:
@@ -288,17 +300,34 @@ def _steepest_drop_step(steps: list[int], values: list[float]) -> int | None:
     return steps[int(drops.argmax()) + 1]
 
 
+def induction_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    """One AdamW step on the next-token loss of ``tokens [B, T]`` (on the model's device); returns the loss
+    (a 0-d device tensor). Reads no device value on the host: capturable in a CUDA graph (``--cuda-graph``)."""
+    loss = next_token_losses(model(tokens), tokens).mean()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
 def train_variant(
     name: str, layers: int, smear: bool, config: InductionConfig, eval_batch: EvalBatch, *, position: int = 0
 ) -> dict:
-    """Train one model; return its curves, final evaluation, head importance and wall time."""
+    """Train one model on ``config.device`` (each step replayed from one CUDA graph under ``--cuda-graph``, see
+    :class:`~icrl_models.cuda_graphs.StepRunner`); return its curves, final evaluation, head importance and
+    wall time. The data stream is drawn on the CPU, so every device trains on the same sequences."""
     start = time.perf_counter()
+    device = resolve_device(config.device)
     torch.manual_seed(config.seed)
     model = AttentionOnlyTransformer(
         config.vocab_size, config.context_len, config.d_model, config.num_heads, layers,
         smear=smear, smear_init=config.smear_init, backend=config.backend,
-    )  # fmt: skip
+    ).to(device)  # fmt: skip
+    eval_batch = EvalBatch(eval_batch.tokens.to(device), eval_batch.seq_len)
     optimizer = torch.optim.AdamW(model.parameters(), config.learning_rate, weight_decay=config.weight_decay)
+    graphed = use_cuda_graph(config.cuda_graph, device)
+    if graphed:  # the learning rate and step counters on the device, where the graph reads them
+        prepare_capturable(optimizer)
     generator = torch.Generator().manual_seed(config.seed + 1)  # the same data stream for every variant
     curves: dict[str, list] = {"step": [], "train_loss": [], "repeat_loss": [], "icl_score": [], "best_induction": []}
     # Where the metrics are at initialisation: the phase change is a departure from this.
@@ -307,24 +336,18 @@ def train_variant(
     running = RunningLoss()
     # Watches every step (the gradient norm from the gradients: this step does not clip); read at evaluations.
     guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
-
-    @guard.watch
-    def train_step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = next_token_losses(model(tokens), tokens).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
+    run_step = StepRunner(
+        lambda batch: induction_train_step(model, optimizer, batch["tokens"]), model, optimizer, device,
+        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
+    )  # fmt: skip
     bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, position=position, leave=True)
     for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(step - 1, config)
+        set_learning_rate(optimizer, learning_rate_at(step - 1, config))
         tokens = repeated_segments(
             config.batch_size, config.context_len, config.vocab_size, config.min_period, config.max_period,
             generator=generator,
         )  # fmt: skip
-        running.add(train_step(tokens))
+        running.add(run_step(pinned({"tokens": tokens}, device)))
         if step % config.eval_every == 0 or step == config.steps:
             skipped = guard.check()  # a diverged run ("stop") ends here, before it is evaluated
             evaluation = evaluate_model(model, eval_batch)
@@ -411,7 +434,12 @@ def run_experiment(config: InductionConfig, *, command: str | None = None) -> di
         report = seeds_report(config, reports)
         markdown = format_seeds_summary(report)
         write_results(
-            config.out_dir, "induction", report, markdown, command=command, machine=machine_description("cpu")
+            config.out_dir,
+            "induction",
+            report,
+            markdown,
+            command=command,
+            machine=machine_description(resolve_device(config.device)),
         )
         runs = {f"seed {seed}": seed_report["results"] for seed, seed_report in reports.items()}
         plot_phase_change(runs, Path(config.out_dir) / "induction.png", threshold=config.threshold,
@@ -494,7 +522,8 @@ def train_trial(trial: InductionTrial) -> dict:
     def run() -> dict:
         config = trial.config
         work = transformer_work(config.batch_size, config.context_len, trial.layers, config.d_model)
-        print_cpu_estimate(f"induction {trial.name}, seed {config.seed}", STEP_COST.estimate(config.steps, work))
+        print_cpu_estimate(f"induction {trial.name}, seed {config.seed}", STEP_COST.estimate(config.steps, work),
+                           device=config.device)  # fmt: skip
         start = time.process_time()
         result = train_variant(trial.name, trial.layers, trial.smear, config, _eval_batch(config),
                                position=trial.position)  # fmt: skip
@@ -502,7 +531,9 @@ def train_trial(trial: InductionTrial) -> dict:
 
     # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
     key = settings_key(
-        trial.config, ("out_dir", "progress", "num_threads", "variants", "seeds", "nonfinite"), variant=trial.name
+        trial.config,
+        ("out_dir", "progress", "num_threads", "variants", "seeds", "nonfinite", "device", "cuda_graph"),
+        variant=trial.name,
     )
     return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)
 
@@ -535,8 +566,7 @@ def _run_experiment(config: InductionConfig, command: str | None) -> dict:
         # The trainings' own CPU time (user + sys of the process that trained each, kept with its result), summed.
         "cpu_seconds": sum(s["cpu_seconds"] for s in summary.values() if s["cpu_seconds"] is not None),
     }
-    # The models train on the CPU (tiny: no device option).
-    machine = machine_description("cpu")
+    machine = machine_description(resolve_device(config.device))
     write_results(out_dir, "induction", report, f"```\n{format_summary(report)}\n```", command=command, machine=machine)
     log_vocab = math.log(config.vocab_size)
     plot_phase_change({"": results}, out_dir / "induction.png", threshold=config.threshold, log_vocab=log_vocab)
