@@ -826,3 +826,53 @@ claims(
         lambda d: [d["summary"]["fraction_of_source"], d["summary"]["num_tasks"]],
     ),
 )
+
+
+# --- the looped transformer over seeds 0-2 (cpu-looped-20k) -------------------------------------------------
+
+LOOPED_20K = "cpu-looped-20k.json"
+
+
+def seed_row(*path) -> Callable:
+    """``[mean, std, value per seed...]`` of a seed_stats dict at ``path``."""
+    return lambda data: [*stats(*path)(data), *at(*path, "values")(data)]
+
+
+claims(
+    Claim(
+        "README",
+        "error at k = 10 of {} ± {} for one looped block (52k parameters) against {} ± {} for 4 unlooped layers "
+        "(202k; a quarter, not a twelfth); paired difference {} ± {} (ahead on 2 of 3 seeds); {} ± {} at 75 loops",
+        LOOPED_20K,
+        lambda d: [
+            *stats("summary", "error_at_k", "looped")(d),
+            *stats("summary", "error_at_k", "unlooped")(d),
+            *stats("summary", "looped_minus_unlooped")(d),
+            *stats("summary", "error_at_max_loops")(d),
+        ],
+    ),
+    Claim(
+        "results",
+        "| looped (b = 15), 52k parameters | {} ± {} | {} | {} | {} |",
+        LOOPED_20K,
+        seed_row("summary", "error_at_k", "looped"),
+    ),
+    Claim(
+        "results",
+        "| unlooped (4 layers), 202k parameters | {} ± {} | {} | {} | {} |",
+        LOOPED_20K,
+        seed_row("summary", "error_at_k", "unlooped"),
+    ),
+    Claim(
+        "results",
+        "| looped - unlooped (paired by seed) | {} ± {} | {} | {} | {} |",
+        LOOPED_20K,
+        seed_row("summary", "looped_minus_unlooped"),
+    ),
+    Claim(
+        "results",
+        "| looped at 75 loops (5x b) | {} ± {} | {} | {} | {} |",
+        LOOPED_20K,
+        seed_row("summary", "error_at_max_loops"),
+    ),
+)
