@@ -212,3 +212,16 @@ def test_raw_results_are_written_before_the_summary(tmp_path, monkeypatch):
     report = json.loads((out / "markov-memory.json").read_text())
     assert report["complete"] is False and "summary" not in report
     assert [(r["corridor_length"], r["k"]) for r in report["results"]] == [(2, 5), (3, 5), (2, 2)]
+
+
+def test_a_runs_key_does_not_depend_on_the_seed_list():
+    """A sweep split over seeds (``--seeds 5 6 7`` beside ``--seeds 8 9``, then ``--seeds 0 ... 9`` for the report)
+    reuses every finished run: the seed list only says which trials run; the run's own seed, task, corridor
+    length and k are in its key."""
+
+    def trial(seeds, seed=4, k=10):
+        return mh.MarkovTrial(MarkovConfig(preset="memory", seeds=seeds), seed, "cue_hidden", 8, k)
+
+    assert trial((4, 8, 9)).key() == trial(tuple(range(10))).key() == trial((4,)).key()
+    assert trial((4, 5)).key() != trial((4, 5), seed=5).key()
+    assert trial((4,)).key() != trial((4,), k=20).key()

@@ -772,7 +772,7 @@ claims(
     ),
     Claim(
         "README",
-        "hidden-cue corridor (C = 4, 5 seeds): {} -> {} -> {} at k = 3 / 5 / 10",
+        "falls at C = 4 (5 seeds: {} -> {} -> {} at k = 3 / 5 / 10;",
         MEMORY,
         lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (3, 5, 10)],
     ),
@@ -874,5 +874,55 @@ claims(
         "| looped at 75 loops (5x b) | {} ± {} | {} | {} | {} |",
         LOOPED_20K,
         seed_row("summary", "error_at_max_loops"),
+    ),
+)
+
+
+# --- the Cue Corridor over seeds 0-9 (markov-memory-10-seeds) --------------------------------------------------
+
+MEMORY_10 = "markov-memory-10-seeds.json"
+
+
+def hidden_g_markov(corridor: int, *ks: int, task: str = "cue_hidden") -> Callable:
+    return lambda d: [at("summary", f"{task}_C{corridor}", str(k), "g_markov", "mean")(d) for k in ks]
+
+
+def pair_row(corridor: int, k: int) -> Callable:
+    """A row of the results table: hidden-cue success (mean ± sd), then both visible - hidden differences."""
+
+    def read(data):
+        success = at("summary", f"cue_hidden_C{corridor}", str(k), "success_rate")(data)
+        return [success["mean"], success["std"], *memory_pair(corridor, k, "g_markov")(data),
+                *memory_pair(corridor, k)(data)]  # fmt: skip
+
+    return read
+
+
+claims(
+    Claim(
+        "README",
+        "10 seeds: {} ± {} at C = 8 (the paper's sign on {} of 10 seeds), {} ± {} at C = 16 with k = 20 ({} of 10)",
+        MEMORY_10,
+        lambda d: [*memory_pair(8, 10)(d), *memory_pair(16, 20)(d)],
+    ),
+    Claim(
+        "README",
+        "rises at C = 16 (10 seeds: {} -> {} from k = 10 to 20,",
+        MEMORY_10,
+        hidden_g_markov(16, 10, 20),
+    ),
+    Claim("results", "| 8 | 10 | {} ± {} | {} ± {} ({}/10) | {} ± {} ({}/10) |", MEMORY_10, pair_row(8, 10)),
+    Claim(
+        "results",
+        "| 16 | 10 | {} ± {} (chance: the cue is out of reach) | {} ± {} ({}/10) | {} ± {} ({}/10) |",
+        MEMORY_10,
+        pair_row(16, 10),
+    ),
+    Claim("results", "| 16 | 20 | {} ± {} | {} ± {} ({}/10) | {} ± {} ({}/10) |", MEMORY_10, pair_row(16, 20)),
+    Claim(
+        "results",
+        "all tokens): {} -> {} on the hidden task and {} -> {} on the visible control",
+        MEMORY_10,
+        lambda d: [*hidden_g_markov(16, 10, 20)(d), *hidden_g_markov(16, 10, 20, task="cue_visible")(d)],
     ),
 )

@@ -730,9 +730,11 @@ class MarkovTrial:
 
     def key(self) -> dict:
         """What the run's result depends on: the config without where and how it runs, and the run."""
-        # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
-        return settings_key(self.config, ("out_dir", "progress", "device", "cuda_graph", "num_threads", "nonfinite"),
-                            seed=self.seed, task=self.task, corridor_length=self.corridor_length, k=self.k)  # fmt: skip
+        # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step. seeds:
+        # the list only says which trials a sweep runs; the run's own seed is in the key.
+        run_only = ("out_dir", "progress", "device", "cuda_graph", "num_threads", "nonfinite", "seeds")
+        return settings_key(self.config, run_only, seed=self.seed, task=self.task,
+                            corridor_length=self.corridor_length, k=self.k)  # fmt: skip
 
 
 #: The last backbone built (config, seed) -> (model config, weights): the runs of one seed share it.
