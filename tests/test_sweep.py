@@ -110,6 +110,21 @@ def test_worker_processes_keep_the_trial_order_and_name_the_failures(tmp_path):
     assert "TypeError" in (tmp_path / "bad" / "trial-0001.log").read_text()  # the traceback is in the trial's log
 
 
+def test_a_failed_trial_is_named_by_its_run_folder_or_its_index():
+    """The trials of icrl-compare are run configs with a folder; those of icrl-markov and icrl-induction are
+    not: a failure names them by their index instead of failing on a missing attribute."""
+    config = CompareConfig()
+    assert sweep._trial_label(config, 3) == str(config.out_dir)
+    assert sweep._trial_label({"x": 1}, 3) == "trial 3"
+
+
+@pytest.mark.slow  # starts Ray
+def test_failed_ray_trials_raise_one_error_naming_them(local_ray, tmp_path):
+    options = sweep.SweepOptions(scheduler="ray")
+    with pytest.raises(sweep.TrialsFailed, match=r"(?s)Ray Tune trials failed .*\['trial 1'\]"):
+        sweep.run_trials([{"x": 3}, 5], dict, options, name="bad", storage=tmp_path)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [({"scheduler": "slurm"}, ValueError, "scheduler must be one of"),

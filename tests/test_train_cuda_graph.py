@@ -274,6 +274,13 @@ def test_induction_cuda_graph_flag_off_cuda(tmp_path, capsys):
     assert summaries[None] == summaries["off"]
     assert main([*args, "--cuda-graph", "yes", "--out-dir", str(tmp_path / "bad")]) == 2
     assert "cuda_graph must be one of" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a device this machine lacks: one line, before any trial starts
+        args[args.index("--device") + 1] = "cuda"
+        assert main([*args, "--scheduler", "local", "--out-dir", str(tmp_path / "nocuda")]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            "icrl-induction: error: device 'cuda' asked for CUDA, but CUDA is not available on this machine"
+        )
+        assert not (tmp_path / "nocuda" / "runs").exists()
 
 
 def _linear_step(model, optimizer, *, read_on_call=None):

@@ -539,6 +539,7 @@ def train_trial(trial: InductionTrial) -> dict:
 
 
 def _run_experiment(config: InductionConfig, command: str | None) -> dict:
+    device = resolve_device(config.device)  # a device this machine lacks: one clear error before any trial
     out_dir = run_folder(config.out_dir)
     start = time.perf_counter()
     specs = config.variant_specs()
@@ -566,7 +567,7 @@ def _run_experiment(config: InductionConfig, command: str | None) -> dict:
         # The trainings' own CPU time (user + sys of the process that trained each, kept with its result), summed.
         "cpu_seconds": sum(s["cpu_seconds"] for s in summary.values() if s["cpu_seconds"] is not None),
     }
-    machine = machine_description(resolve_device(config.device))
+    machine = machine_description(device)
     write_results(out_dir, "induction", report, f"```\n{format_summary(report)}\n```", command=command, machine=machine)
     log_vocab = math.log(config.vocab_size)
     plot_phase_change({"": results}, out_dir / "induction.png", threshold=config.threshold, log_vocab=log_vocab)

@@ -221,9 +221,15 @@ def _run_on_ray(
         if on_outcome is not None:
             on_outcome(index, outcomes[index])
     if errors or any(outcome is None for outcome in outcomes):
-        missing = [configs[i].out_dir for i, outcome in enumerate(outcomes) if outcome is None]
+        missing = [_trial_label(configs[i], i) for i, outcome in enumerate(outcomes) if outcome is None]
         raise TrialsFailed(f"Ray Tune trials failed ({'; '.join(errors) or 'no result'}): {missing}")
     return outcomes  # type: ignore[return-value]
+
+
+def _trial_label(trial: Any, index: int) -> str:
+    """A trial's name in an error: its run folder where it has one (an icrl-train config), else its index."""
+    out_dir = getattr(trial, "out_dir", None)
+    return str(out_dir) if out_dir is not None else f"trial {index}"
 
 
 def _with_trial_threads(configs: Sequence[Any], options: SweepOptions) -> tuple[int, list[Any]]:
