@@ -574,7 +574,7 @@ def run_task(
     task: Task, k: int, seed: int, config: MarkovConfig, model_config: DTMoAConfig, backbone: dict, device
 ) -> dict:
     """Generate data, train one DT-MoA with context ``k`` on ``task``, analyse it; JSON-ready results."""
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     data_seed = task.data_seed(seed)
     histories, data_returns, best = task_data(task, config, data_seed)
     windows = TrajectoryWindows(histories, k)
@@ -692,6 +692,7 @@ def run_task(
         "skipped_steps": skipped,
         "train_seconds": train_seconds,
         "wall_seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,  # kept with the run: a rerun that reuses it still reports it
     }
 
 
