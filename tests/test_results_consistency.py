@@ -845,3 +845,44 @@ claims(
         lambda d: [*hidden_g_markov(16, 10, 20)(d), *hidden_g_markov(16, 10, 20, task="cue_visible")(d)],
     ),
 )
+
+
+# --- G_Markov against k at C = 4 over seeds 0-9 (markov-k-sweep-c4) ------------------------------------------
+
+K_SWEEP_C4 = "markov-k-sweep-c4.json"
+
+
+def fall_with_k(data) -> list[float]:
+    """G_Markov (all tokens) at k = 5 minus at k = 10 per seed: mean, sd, and on how many seeds it falls."""
+    at_5, at_10 = (at("summary", "cue_hidden_C4", str(k), "g_markov", "values")(data) for k in (5, 10))
+    falls = [a - b for a, b in zip(at_5, at_10, strict=True)]
+    return [np.mean(falls), np.std(falls, ddof=1), sum(f > 0 for f in falls)]
+
+
+def k_row(k: int) -> Callable:
+    def read(data):
+        entry = at("summary", "cue_hidden_C4", str(k))(data)
+        return [entry[name][stat] for name in ("success_rate", "g_markov", "g_markov_state_tokens")
+                for stat in ("mean", "std")]  # fmt: skip
+
+    return read
+
+
+claims(
+    Claim("results", "| 5 | {} ± {} | {} ± {} | {} ± {} |", K_SWEEP_C4, k_row(5)),
+    Claim("results", "| 10 | {} ± {} | {} ± {} | {} ± {} |", K_SWEEP_C4, k_row(10)),
+    Claim(
+        "results",
+        "the fall k = 5 minus k = 10 is {} ± {} over 10 seeds, 95% CI [-0.128, +0.013], falling on {} of 10 seeds",
+        K_SWEEP_C4,
+        fall_with_k,
+    ),
+)
+claims(
+    Claim(
+        "README",
+        "at C = 4 either ({} -> {} from k = 5 to 10;",
+        K_SWEEP_C4,
+        lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (5, 10)],
+    ),
+)
