@@ -361,7 +361,7 @@ claims(
 
 # --- Headless-AD: ablations, contextual bandits, Darkroom-125 ---------------------------------------------------
 
-ABLATIONS = "headless-ablations-reward-use.json"
+ABLATIONS = "archive/headless-ablations-reward-use.json"
 for _name in ("preset", "separate action/reward/state tokens (paper)", "separate tokens with 3 layers", "4000 steps"):
     for _fraction in ("1.0", "0.35"):
         claims(
@@ -418,18 +418,18 @@ claims(
                 at("models", m, "scores", "4-20 arms", "normalized_score")(d) for m in ("headless_ad", "ad")
             ],
         )
-        for index, name in enumerate(("headless-contextual.json", "headless-contextual-6000-steps.json"))
+        for index, name in enumerate(("headless-contextual.json", "archive/headless-contextual-6000-steps.json"))
     ),
     Claim(
         "results",
         "| 25 / 30 / 40 / 50 arms | {} / {} / {} / {} | n/a |",
-        "headless-contextual-6000-steps.json",
+        "archive/headless-contextual-6000-steps.json",
         lambda d: [at("models", "headless_ad", "scores", f"{n} arms", "normalized_score")(d) for n in (25, 30, 40, 50)],
     ),
     Claim(
         "results",
         "| reward use (shuffled - true loss, nats) | {} ({} - {}) | {} ({} - {}) |",
-        "headless-contextual-6000-steps.json",
+        "archive/headless-contextual-6000-steps.json",
         lambda d: [
             at("models", m, "reward_use", k)(d) for m in ("headless_ad", "ad") for k in ("gap", "shuffled_loss", "loss")
         ],
