@@ -2,7 +2,7 @@
 
 Each :class:`Claim` states, before its run, the quantity (one number per seed, read from the committed results
 files in ``benchmarks/results/``), the paired comparison behind it, the paper's effect on the same scale and the
-rule that turns the 95% t-interval of the per-seed values into a verdict (DESIGN.md section 7):
+rule that turns the 95% t-interval of the per-seed values into a verdict:
 
 * ``sign`` claims (an effect with the paper's sign; the quantity is oriented so the paper's sign is positive):
   **reproduced** when the interval excludes 0 on the paper's side and does not lie wholly below half the

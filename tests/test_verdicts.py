@@ -1,5 +1,5 @@
 """The README's verdicts are the ones ``benchmarks/verdicts.py`` computes from the results files, and its rules
-give the verdicts DESIGN.md section 7 defines."""
+give the verdicts the rules of its docstring define."""
 
 from __future__ import annotations
 
