@@ -375,7 +375,11 @@ def load_or_generate(config: TrainConfig, run_dir: Path, ddp: Distributed) -> Le
     if ddp.is_main and not path.exists():
         save_histories(generate_histories(generate, progress=config.progress), path)
     ddp.barrier()
-    return load_histories(path, expect=expected)
+    histories = load_histories(path, expect=expected)
+    if is_gym_env(config.env) and histories.metadata["tasks"] != generate.task_split().to_json():
+        raise DatasetError(f"{path} was generated from other tasks than {config.tasks} gives now: remove it to "
+                           "generate the data again, or use another --out-dir")  # fmt: skip
+    return histories
 
 
 def make_eval_env_factory(config: TrainConfig, histories: LearningHistories | None = None):

@@ -92,6 +92,11 @@ def test_icrl_train_generates_gymnasium_data_in_its_run_folder(tmp_path, tasks_f
     capsys.readouterr()
     assert train_main(argv) == 0  # a finished run: its cached data and checkpoint match, nothing runs again
     assert "is already finished" in capsys.readouterr().err
+    tasks = json.loads(tasks_file.read_text())
+    tasks["test"][0]["is_slippery"] = True  # the same file, other tasks: the cached data no longer fits
+    tasks_file.write_text(json.dumps(tasks))
+    assert train_main(argv) == 2
+    assert "was generated from other tasks than" in _one_line(capsys, "icrl-train")
 
 
 def test_noise_distillation_runs_where_the_env_has_a_model(tmp_path, tasks_file, capsys):

@@ -31,10 +31,7 @@ gymnasium is optional (``pip install "icrl-kernels[gym]"``); it is imported when
 from __future__ import annotations
 
 import functools
-import importlib
 import json
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .base import BatchedEnv, StepResult, as_index_array
-from .tasks import GymTask, TaskError
+from .tasks import GymTask, TaskError, import_from_cwd
 
 INSTALL_HINT = 'pip install "icrl-kernels[gym]"'
 #: The first gymnasium with the vector API's autoreset modes (``AutoresetMode.DISABLED``), which the adapter uses.
@@ -113,7 +110,7 @@ def resolve_env(env) -> tuple[Any, str, int | None]:
     if ":" in env:
         module_name, _, env_id = env.partition(":")
         try:
-            module = _import_from_cwd(module_name)
+            module = import_from_cwd(module_name)
         except ImportError as error:
             raise UnknownEnvError(f"gymnasium env {env!r}: cannot import {module_name!r} ({error})") from None
         if env_id not in gymnasium.registry:
@@ -127,18 +124,6 @@ def resolve_env(env) -> tuple[Any, str, int | None]:
     except gymnasium.error.Error as error:
         raise UnknownEnvError(f"unknown gymnasium env {env!r}: {' '.join(str(error).split())}") from None
     return env_id, env, spec.max_episode_steps
-
-
-def _import_from_cwd(module_name: str):
-    """Import ``module_name`` with the current folder importable (as ``python -m`` has it; console scripts don't)."""
-    added = os.getcwd() not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(module_name)
-    finally:
-        if added:
-            sys.path.remove(os.getcwd())
 
 
 def _space_error(space, where: str, what: str) -> UnsupportedSpaceError:

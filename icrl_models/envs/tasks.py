@@ -151,19 +151,26 @@ def _read(source, origin: str):
         raise TaskError(f"{path} is not valid JSON (YAML files end in .yaml or .yml): {error}") from None
 
 
-def _call_entry_point(text: str):
-    """``module:function()``, the current folder importable as ``python -m`` makes it."""
-    module_name, _, attribute = text.partition(":")
+def import_from_cwd(module_name: str):
+    """Import ``module_name`` with the current folder importable, as ``python -m`` has it (console scripts
+    don't), without leaving it on ``sys.path``."""
     added = os.getcwd() not in sys.path
     if added:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise TaskError(f"tasks entry point {text}: cannot import {module_name!r} ({error})") from None
+        return importlib.import_module(module_name)
     finally:
         if added:
             sys.path.remove(os.getcwd())
+
+
+def _call_entry_point(text: str):
+    """``module:function()``, the current folder importable."""
+    module_name, _, attribute = text.partition(":")
+    try:
+        module = import_from_cwd(module_name)
+    except ImportError as error:
+        raise TaskError(f"tasks entry point {text}: cannot import {module_name!r} ({error})") from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise TaskError(f"tasks entry point {text}: {module_name} has no function {attribute!r}")
