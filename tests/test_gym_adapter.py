@@ -241,6 +241,8 @@ def test_bad_environments_and_tasks_raise_typed_errors():
         GymEnv("FrozenLake-v1", [GymTask({}, actions=(4,))])
     with pytest.raises(TaskError, match="non-empty list"):
         GymEnv("FrozenLake-v1", [])
+    with pytest.raises(ValueError, match="episode_length must be >= 1, got 0"):
+        GymEnv("FrozenLake-v1", [{}], episode_length=0)
 
 
 def test_an_entry_point_or_class_works_like_an_id():

@@ -38,8 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from .base import BatchedEnv, StepResult, as_index_array
-from .tasks import GymTask, TaskError, import_from_cwd
+from .base import BatchedEnv, StepResult, as_index_array, check_positive_int
+from .tasks import GymTask, TaskError, import_from_cwd, parse_tasks
 
 INSTALL_HINT = 'pip install "icrl-kernels[gym]"'
 #: The first gymnasium with the vector API's autoreset modes (``AutoresetMode.DISABLED``), which the adapter uses.
@@ -178,6 +178,7 @@ class GymEnv(BatchedEnv):
         if length is None:
             raise GymEnvError(f"gymnasium env {self.env_id!r} has no time limit (max_episode_steps): give an "
                               "episode_length (--episode-length)")  # fmt: skip
+        length = check_positive_int(length, "episode_length")  # before gymnasium's TimeLimit sees it
         self.name = self.env_id
         envs = [self._make(gymnasium, maker, task, index, length) for index, task in enumerate(self.tasks)]
         first = envs[0]
@@ -327,7 +328,7 @@ def _made(env):
 
 @functools.lru_cache(maxsize=16)
 def _check_task_list(env: str, tasks_json: str, episode_length: int | None) -> int:
-    probe = GymEnv(env, [GymTask(**entry) for entry in json.loads(tasks_json)], episode_length=episode_length)
+    probe = GymEnv(env, parse_tasks(json.loads(tasks_json)), episode_length=episode_length)
     probe.close()
     return probe.num_observations
 
