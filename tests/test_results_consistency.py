@@ -534,7 +534,9 @@ claims(
 # --- every results file a README names exists, and parses ---------------------------------------------------
 
 #: The families of files in benchmarks/results (a name in a README that starts with one of these is a results file).
-PREFIXES = ("cpu-", "gpu-", "headless-", "key-to-door", "markov-memory", "ngram-ad-goals", "main-job", "archive/")
+PREFIXES = (
+    "cpu-", "gpu-", "gym-", "headless-", "key-to-door", "markov-memory", "ngram-ad-goals", "main-job", "archive/",
+)  # fmt: skip
 #: Named as where a future run will write (the GPU runner's paper-goals stage), not yet made.
 NOT_YET = {"ngram-ad-goals-paper.json", "ngram-ad-goals-paper.*"}
 _NAME = re.compile(r"[\w./*-]+?\.(?:json|md|png|\*|\{[a-z,]+\})(?:/\.(?:json|md|png))*")
@@ -761,6 +763,50 @@ claims(
         "s of CPU) reaches {} of Q-learning's return on the {} held-out goals",
         "main-job.json",
         lambda d: [d["summary"]["fraction_of_source"], d["summary"]["num_tasks"]],
+    ),
+)
+
+
+# --- a gymnasium environment: FrozenLake-v1, and Taxi-v4 (gym-frozen-lake) ---------------------------------
+
+GYM = "gym-frozen-lake.json"
+
+
+def block_mean(run: str, first: int, last: int) -> Callable:
+    """The model's mean return over in-context episodes ``first``-``last`` (1-based) of a run of the gym file."""
+    return lambda data: float(np.mean(data[run]["evaluation"]["model_returns"][first - 1 : last]))
+
+
+claims(
+    Claim(
+        "results",
+        "rises from {} in its first 5 in-context episodes to {} in its last 5, {} of Q-learning's final return",
+        GYM,
+        lambda d: [
+            block_mean("frozen_lake", 1, 5)(d),
+            block_mean("frozen_lake", 36, 40)(d),
+            d["frozen_lake"]["summary"]["fraction_of_source"],
+        ],
+    ),
+    Claim(
+        "results",
+        "(random {}, optimum {}); {} s of CPU in all",
+        GYM,
+        lambda d: [
+            d["frozen_lake"]["summary"]["random_final_return"],
+            d["frozen_lake"]["evaluation"]["optimal_return"],
+            d["frozen_lake"]["cpu_seconds"]["total"],
+        ],
+    ),
+    Claim(
+        "results",
+        "normalised score {} on the {} held-out rain probabilities (0 random, 1 the source); {} s of CPU",
+        GYM,
+        lambda d: [
+            d["taxi"]["summary"]["normalized_score"],
+            d["taxi"]["summary"]["num_tasks"],
+            d["taxi"]["cpu_seconds"]["total"],
+        ],
     ),
 )
 
