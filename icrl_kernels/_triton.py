@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -95,6 +97,26 @@ def launch(kernel, grid):
 def _tracing() -> bool:
     """Whether a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active."""
     return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+
+
+def per_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a launcher's grid, block sizes, constexprs and output layouts, from sizes, strides, dtypes and
+    options) computed once per distinct arguments: a repeated call is one ``functools.lru_cache`` lookup.
+
+    While torch traces with symbolic sizes (``torch.compile(dynamic=True)`` into a ``triton_op``) the
+    arguments cannot be hashed, and ``fn`` runs every time. At most 256 signatures are kept.
+    """
+    cached = functools.lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return cached(*args)
+        except TypeError:  # a SymInt: "unhashable type: non-nested SymInt"
+            return fn(*args)
+
+    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return call
 
 
 def size_bucket(size: int) -> int:
