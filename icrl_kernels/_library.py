@@ -78,7 +78,8 @@ def set_output_poisoning(enabled: bool) -> bool:
 
 def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; poisoned under test so unwritten elements are caught."""
-    out = torch.empty(shape, dtype=dtype, device=device)
+    # Sizes as separate arguments: torch parses them about twice as fast as one tuple or torch.Size.
+    out = torch.empty(*shape, dtype=dtype, device=device) if len(shape) else torch.empty((), dtype=dtype, device=device)
     if _poison_outputs:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
@@ -242,7 +243,7 @@ def _fast_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     argument positional, the op's autograd.Function (``_icrl_autograd``, applied from C) when a tensor
     needs grad, else its forward itself (``_icrl_forward``); anything else, the registered operator."""
     if kwargs or not _plain_eager_call(args):
-        return self._opoverload(*args, **kwargs)
+        return self._icrl_registered(*args, **kwargs)
     if _grad_enabled() and _any_requires_grad(*args):
         return self._icrl_autograd(*args)
     return self._icrl_forward(*args)
@@ -252,21 +253,32 @@ def _fast_call(self: Any, *args: Any, **kwargs: Any) -> Any:
 def _fast_call_class(base: type) -> type:
     """The subclass of ``base`` (the ``CustomOpDef`` class of this torch) whose instances take the fast path.
 
-    Only ``__call__`` differs: ``opcheck``, ``register_*``, ``_opoverload`` and the ``torch.ops.icrl``
-    entry are the registered op's (:func:`icrl_kernels._torch_compat.reclass_custom_op`)."""
+    Only ``__call__`` differs: ``opcheck``, ``register_*`` and the ``torch.ops.icrl`` entry are the
+    registered op's (:func:`icrl_kernels._torch_compat.reclass_custom_op`)."""
     return type("FastCallOp", (base,), {"__call__": _fast_call, "__doc__": _fast_call_class.__doc__})
 
 
-def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], traceable: Traceable) -> Any:
+def _register(
+    name: str,
+    fn: Callable[..., Any],
+    fake: Callable[..., Any],
+    traceable: Traceable,
+    schema_of: Callable[..., Any] | None = None,
+) -> Any:
+    """Register ``fn`` as ``icrl::<name>``, its schema inferred from ``schema_of`` (default ``fn``) as the
+    function is written (a wrapper's annotations would be read in the wrong module)."""
     qualname = f"{NAMESPACE}::{name}"
-    if traceable is not True and traceable is not False and "impl" not in inspect.signature(fn).parameters:
+    schema_of = schema_of or fn
+    if traceable is not True and traceable is not False and "impl" not in inspect.signature(schema_of).parameters:
         raise ValueError(f"{qualname}: traceable={traceable!r} needs an argument named 'impl' in {fn.__name__}")
+    schema = torch.library.infer_schema(schema_of, mutates_args=())
     if uses_triton_op(bool(traceable)):
-        op = _TRITON_OP(qualname, fn, mutates_args=())
+        op = _TRITON_OP(qualname, fn, mutates_args=(), schema=schema)
         if traceable is not True:
-            _trace_only_impls(op, fn, tuple(traceable))
+            impl_index = list(inspect.signature(schema_of).parameters).index("impl")
+            _trace_only_impls(op, fn, tuple(traceable), impl_index)
     else:
-        op = torch.library.custom_op(qualname, fn, mutates_args=())
+        op = torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema)
     # triton_op registers ``fn`` itself as the fake; the explicit one is cheaper and tells shapes and
     # strides without running any kernel wrapper. (The functional decomposition under torch.compile
     # still traces ``fn``.)
@@ -274,15 +286,13 @@ def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], trace
     return op
 
 
-def _trace_only_impls(op: Any, fn: Callable[..., Any], impls: tuple[str, ...]) -> None:
+def _trace_only_impls(op: Any, fn: Callable[..., Any], impls: tuple[str, ...], impl_index: int) -> None:
     """Keep a ``triton_op`` opaque to ``torch.compile`` unless its ``impl`` argument is one of ``impls``.
 
     ``triton_op`` decomposes the op (runs ``fn`` on functional tensors) whenever AOTAutograd traces it; an
     eager implementation that views outputs in stride-dependent ways, or reads values, must stay a single
     opaque node instead, as with ``custom_op``.
     """
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
     decompose = compat.triton_op_decomposition(op)
     if decompose is None:  # a torch that keeps no handle on triton_op's rule: the same rule, restated
 
@@ -292,21 +302,22 @@ def _trace_only_impls(op: Any, fn: Callable[..., Any], impls: tuple[str, ...]) -
             with mode:
                 return fn(*args, **kwargs)
 
-    impl_index = list(inspect.signature(fn).parameters).index("impl")
-
     def decompose_traceable_impls(mode, func, types, args, kwargs):
         impl = kwargs["impl"] if "impl" in kwargs else args[impl_index]
         if impl in impls:
             return decompose(mode, func, types, args, kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)  # opaque: one node, fake impl for shapes
 
-    op.register_torch_dispatch(FunctionalTensorMode, decompose_traceable_impls)
+    op.register_torch_dispatch(compat.functional_tensor_mode(), decompose_traceable_impls)
 
 
-def _with_fast_call(op: Any, forward: Callable[..., Any], autograd: Callable[..., Any]) -> Any:
+def _with_fast_call(op: Any, name: str, forward: Callable[..., Any], autograd: Callable[..., Any] | None = None) -> Any:
+    """``op`` (registered as ``icrl::<name>``) re-classed to take the fast path: ``forward`` on plain eager
+    calls, ``autograd`` (default: the registered operator) where a tensor needs grad."""
     compat.reclass_custom_op(op, _fast_call_class(type(op)))
+    op._icrl_registered = getattr(getattr(torch.ops, NAMESPACE), name).default
     op._icrl_forward = forward
-    op._icrl_autograd = autograd
+    op._icrl_autograd = autograd or op._icrl_registered
     return op
 
 
@@ -324,7 +335,7 @@ def inference_op(name: str, fn: Callable[..., Any], *, fake: Callable[..., Any],
         traceable: as in :func:`differentiable_op`.
     """
     op = _register(name, fn, fake, traceable)
-    return _with_fast_call(op, fn, op._opoverload)
+    return _with_fast_call(op, name, fn)
 
 
 def fold_vmap_into_batch(op: Any) -> Any:
@@ -354,6 +365,29 @@ def fold_vmap_into_batch(op: Any) -> Any:
 
     op.register_vmap(rule)
     return op
+
+
+def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient nobody asked
+    for, see ``pass_needs_grad``) becomes an empty tensor of the first tensor argument's dtype and device,
+    a distinct one each (outputs of a custom op are tensors and may not alias). The fast path calls
+    ``backward`` itself and skips those allocations; the op's fake returns the same placeholders."""
+
+    @functools.wraps(backward)  # the schema is inferred from backward's signature
+    def registered(*args: Any) -> Any:
+        grads = backward(*args)
+        if isinstance(grads, tuple) and any(grad is None for grad in grads):
+            like = first_tensor(args)
+            grads = tuple(grad if grad is not None else like.new_empty(0) for grad in grads)
+        return grads
+
+    return registered
+
+
+def first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The first tensor among ``args`` (the placeholder gradients of :func:`differentiable_op` take its
+    dtype and device)."""
+    return next(arg for arg in args if isinstance(arg, _Tensor))
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -389,8 +423,10 @@ def differentiable_op(
         differentiable_outputs: how many leading outputs of a tuple-returning forward receive
             gradients (the rest, e.g. integer side outputs saved for the backward, are not passed on).
         pass_needs_grad: append ``needs_grad: list[bool]`` (one flag per entry of ``grad_inputs``) to
-            the backward's arguments, so it can skip gradients nobody asked for; it returns any tensor
-            (e.g. an empty one) in their place, and autograd receives ``None`` for them.
+            the backward's arguments, so it can skip gradients nobody asked for; it returns ``None`` (or any
+            tensor) in their place, and autograd receives ``None`` for them. The registered backward op
+            returns an empty tensor for each ``None`` (:func:`first_tensor`'s dtype and device), as its
+            fake must too.
         traceable: ``forward`` and ``backward`` use only torch ops and kernel launches through
             :func:`icrl_kernels._triton.launch`, with no host read of a tensor value and no
             data-dependent output shape, so ``torch.compile`` may trace into them: both ops are then
@@ -410,7 +446,8 @@ def differentiable_op(
         function that calls it.
     """
     forward_op = _register(name, forward, forward_fake, traceable)
-    backward_op = _register(f"{name}_backward", backward, backward_fake, traceable)
+    registered_backward = _nones_as_empty(backward) if pass_needs_grad else backward
+    backward_op = _register(f"{name}_backward", registered_backward, backward_fake, traceable, schema_of=backward)
     grad_inputs = tuple(grad_inputs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
@@ -463,4 +500,4 @@ def differentiable_op(
             "backward": staticmethod(fast_backward),
         },
     )
-    return _with_fast_call(forward_op, forward, compat.direct_apply(function)), backward_op
+    return _with_fast_call(forward_op, name, forward, compat.direct_apply(function)), backward_op

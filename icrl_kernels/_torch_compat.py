@@ -87,15 +87,22 @@ def reclass_custom_op(op: Any, cls: type) -> Any:
 
 
 # -- 4. triton_op's functional decomposition ---------------------------------------------------------
+def functional_tensor_mode() -> type:
+    """``FunctionalTensorMode`` (private module ``torch._subclasses.functional_tensor``): the mode under which
+    AOTAutograd runs a ``triton_op``'s decomposition, and for which the package registers its own rule
+    (:func:`icrl_kernels._library`'s ``traceable=`` impls) with the public ``CustomOpDef.register_torch_dispatch``."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    return FunctionalTensorMode
+
+
 def triton_op_decomposition(op: Any) -> Callable[..., Any] | None:
     """The rule a ``torch.library.triton_op`` registered for ``FunctionalTensorMode`` (it runs the op's
     Python implementation on functional tensors while AOTAutograd traces, which is how ``torch.compile``
     sees its kernels), or None where torch keeps no handle on it. Read from the private
     ``CustomOpDef._torch_dispatch_fns`` (torch 2.6-2.13), to wrap it (:func:`icrl_kernels._library`'s
     ``traceable=`` impls)."""
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    return getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    return getattr(op, "_torch_dispatch_fns", {}).get(functional_tensor_mode())
 
 
 def export_keeps_triton_ops_whole() -> bool:
@@ -108,7 +115,14 @@ def export_keeps_triton_ops_whole() -> bool:
     return custom_triton_ops_decomposition_disabled()
 
 
-# -- 5. vmap's batched tensors (check_values) --------------------------------------------------------
+# -- 5. value checks that never stall a GPU (check_values) ------------------------------------------
+#: ``torch._assert_async(cond, message)``: fails a CUDA kernel (reported at a later CUDA call) where
+#: ``cond`` is False, without a host read; on the CPU it raises ``RuntimeError`` at once. No public
+#: equivalent (``torch._assert`` is symbolic-tracing's assert, and reads the value).
+assert_async: Callable[[torch.Tensor, str], None] = torch._assert_async
+
+
+# vmap's batched tensors: check_values reduces a check over every vmapped slice (batched training).
 def is_batched_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``torch.func.vmap`` BatchedTensor (False where torch cannot tell)."""
     return _functorch is not None and _functorch.is_batchedtensor(tensor)

@@ -17,6 +17,7 @@ except ImportError as error:  # the eager paths need no Triton; only the kernel 
     ) from error
 
 from ._backend import triton_interpreter_enabled
+from ._torch_compat import dispatch_mode_depth
 
 #: Every kernel made by :func:`autotune`, in import order (see :func:`imported_autotuned_kernels`).
 _AUTOTUNED: list = []
@@ -96,7 +97,7 @@ def launch(kernel, grid):
 
 def _tracing() -> bool:
     """Whether a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return dispatch_mode_depth() > 0 or torch.compiler.is_compiling()
 
 
 def per_signature(fn: Callable[..., Any]) -> Callable[..., Any]:

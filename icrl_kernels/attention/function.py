@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -13,6 +15,14 @@ from .checks import check_gated_attention_args
 from .eager import gated_attention_eager
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
+
+
 def _forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -22,9 +32,7 @@ def _forward(
     gate: str,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels import gated_attention_forward_triton
-
-    return gated_attention_forward_triton(q, k, v, gate_logits, smear_alpha, gate)
+    return _kernels().gated_attention_forward_triton(q, k, v, gate_logits, smear_alpha, gate)
 
 
 def _forward_fake(q, k, v, gate_logits, smear_alpha, gate, impl):
@@ -45,9 +53,7 @@ def _backward(
     gate: str,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .kernels import gated_attention_backward_triton
-
-    grad_q, grad_k, grad_v, grad_gate, grad_alpha = gated_attention_backward_triton(
+    grad_q, grad_k, grad_v, grad_gate, grad_alpha = _kernels().gated_attention_backward_triton(
         grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate
     )
     # The op's schema returns tensors: an empty one stands for an absent input's gradient (autograd gets None).

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from .._backend import resolve_backend
@@ -11,11 +14,17 @@ from .checks import check_mixture_of_heads_args
 from .eager import mixture_of_heads_backward_eager, mixture_of_heads_forward_eager
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
+
+
 def _forward(head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str, impl: str) -> torch.Tensor:
     if impl == "triton":
-        from .kernels import mixture_of_heads_forward_triton
-
-        return mixture_of_heads_forward_triton(head_out, gate_logits, gate)
+        return _kernels().mixture_of_heads_forward_triton(head_out, gate_logits, gate)
     return mixture_of_heads_forward_eager(head_out, gate_logits, gate)
 
 
@@ -28,9 +37,7 @@ def _backward(
     grad_out: torch.Tensor, head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str, impl: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if impl == "triton":
-        from .kernels import mixture_of_heads_backward_triton
-
-        return mixture_of_heads_backward_triton(grad_out, head_out, gate_logits, gate)
+        return _kernels().mixture_of_heads_backward_triton(grad_out, head_out, gate_logits, gate)
     return mixture_of_heads_backward_eager(grad_out, head_out, gate_logits, gate)
 
 
