@@ -258,27 +258,17 @@ def _fast_call_class(base: type) -> type:
     return type("FastCallOp", (base,), {"__call__": _fast_call, "__doc__": _fast_call_class.__doc__})
 
 
-def _register(
-    name: str,
-    fn: Callable[..., Any],
-    fake: Callable[..., Any],
-    traceable: Traceable,
-    schema_of: Callable[..., Any] | None = None,
-) -> Any:
-    """Register ``fn`` as ``icrl::<name>``, its schema inferred from ``schema_of`` (default ``fn``) as the
-    function is written (a wrapper's annotations would be read in the wrong module)."""
+def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], traceable: Traceable) -> Any:
     qualname = f"{NAMESPACE}::{name}"
-    schema_of = schema_of or fn
-    if traceable is not True and traceable is not False and "impl" not in inspect.signature(schema_of).parameters:
+    parameters = list(inspect.signature(fn).parameters)
+    if traceable is not True and traceable is not False and "impl" not in parameters:
         raise ValueError(f"{qualname}: traceable={traceable!r} needs an argument named 'impl' in {fn.__name__}")
-    schema = torch.library.infer_schema(schema_of, mutates_args=())
     if uses_triton_op(bool(traceable)):
-        op = _TRITON_OP(qualname, fn, mutates_args=(), schema=schema)
+        op = _TRITON_OP(qualname, fn, mutates_args=())
         if traceable is not True:
-            impl_index = list(inspect.signature(schema_of).parameters).index("impl")
-            _trace_only_impls(op, fn, tuple(traceable), impl_index)
+            _trace_only_impls(op, fn, tuple(traceable), parameters.index("impl"))
     else:
-        op = torch.library.custom_op(qualname, fn, mutates_args=(), schema=schema)
+        op = torch.library.custom_op(qualname, fn, mutates_args=())
     # triton_op registers ``fn`` itself as the fake; the explicit one is cheaper and tells shapes and
     # strides without running any kernel wrapper. (The functional decomposition under torch.compile
     # still traces ``fn``.)
@@ -373,7 +363,7 @@ def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
     a distinct one each (outputs of a custom op are tensors and may not alias). The fast path calls
     ``backward`` itself and skips those allocations; the op's fake returns the same placeholders."""
 
-    @functools.wraps(backward)  # the schema is inferred from backward's signature
+    @functools.wraps(backward)
     def registered(*args: Any) -> Any:
         grads = backward(*args)
         if isinstance(grads, tuple) and any(grad is None for grad in grads):
@@ -381,6 +371,9 @@ def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
             grads = tuple(grad if grad is not None else like.new_empty(0) for grad in grads)
         return grads
 
+    # The op's schema is inferred from this signature; its annotations, evaluated where backward was written
+    # (as strings they would be looked up in this module).
+    registered.__signature__ = inspect.signature(backward, eval_str=True)  # type: ignore[attr-defined]
     return registered
 
 
@@ -447,7 +440,7 @@ def differentiable_op(
     """
     forward_op = _register(name, forward, forward_fake, traceable)
     registered_backward = _nones_as_empty(backward) if pass_needs_grad else backward
-    backward_op = _register(f"{name}_backward", registered_backward, backward_fake, traceable, schema_of=backward)
+    backward_op = _register(f"{name}_backward", registered_backward, backward_fake, traceable)
     grad_inputs = tuple(grad_inputs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
