@@ -383,6 +383,10 @@ def first_tensor(args: Sequence[Any]) -> torch.Tensor:
     return next(arg for arg in args if isinstance(arg, _Tensor))
 
 
+#: Where a tensor went to ``ctx.save_for_backward`` in the values a backward receives.
+_SAVED_TENSOR = object()
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -447,25 +451,19 @@ def differentiable_op(
         if not materialize_grads:
             ctx.set_materialize_grads(False)
         saved = save(inputs, output)
-        ctx.num_inputs = len(inputs)
-        ctx.constants = constants = list(saved)
-        ctx.tensor_slots = slots = []
-        tensors = []
-        for slot, value in enumerate(saved):
-            if isinstance(value, _Tensor):
-                slots.append(slot)
-                tensors.append(value)
-                constants[slot] = None
+        tensors = [value for value in saved if isinstance(value, _Tensor)]
         ctx.save_for_backward(*tensors)
+        # Non-tensors are kept as they are, tensors (saved above) as a marker.
+        ctx.constants = [_SAVED_TENSOR if isinstance(value, _Tensor) else value for value in saved]
 
     def gradients(ctx: Any, grad_outputs: tuple, run_backward: Callable[..., Any]) -> tuple:
-        saved = list(ctx.constants)
-        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
-            saved[slot] = tensor
-        needs = [bool(ctx.needs_input_grad[index]) for index in grad_inputs]
+        tensors = iter(ctx.saved_tensors)
+        saved = [next(tensors) if value is _SAVED_TENSOR else value for value in ctx.constants]
+        flags = ctx.needs_input_grad
+        needs = [flags[index] for index in grad_inputs]
         extra = (needs,) if pass_needs_grad else ()
         grads = _as_tuple(run_backward(*grad_outputs[:differentiable_outputs], *saved, *extra))
-        result: list[Any] = [None] * ctx.num_inputs
+        result: list[Any] = [None] * len(flags)
         for index, grad, needed in zip(grad_inputs, grads, needs):
             if needed:
                 result[index] = grad

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op
+from .._library import checked_per_signature, differentiable_op
 from . import reference
 from .checks import check_gated_attention_args
 from .eager import gated_attention_eager
@@ -82,7 +82,24 @@ gated_attention_op, gated_attention_backward_op = differentiable_op(
     grad_inputs=(0, 1, 2, 3, 4),
     differentiable_outputs=1,
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
+    materialize_grads=False,  # no zero gradient for lse, saved for the backward only
 )
+
+
+@checked_per_signature
+def _checked_impl(
+    q: object, k: object, v: object, gate_logits: object, gate: object, smear_alpha: object, backend: object
+) -> str:
+    """The argument checks and the backend of a call: ``"triton"``, ``"eager"`` or ``"reference"`` (an empty
+    batch, head or sequence too: nothing to launch)."""
+    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
+    named = {"q": q, "k": k, "v": v, "gate_logits": gate_logits, "smear_alpha": smear_alpha}
+    impl = resolve_backend(backend, q.device, kernel_inputs=named)
+    if impl == "reference" or q.numel() == 0:
+        return "reference"
+    if impl == "triton" and q.shape[-1] > 128:  # one head row is one register tile; wider would need a loop
+        raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
+    return impl
 
 
 def gated_attention(
@@ -130,15 +147,11 @@ def gated_attention(
         ``q``/``k``/``v`` dtypes that differ, mixed devices, an unknown ``gate`` or ``backend``, and with
         ``backend="triton"`` fp64 inputs or a head dim above 128.
     """
-    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
-    named = {"q": q, "k": k, "v": v, "gate_logits": gate_logits, "smear_alpha": smear_alpha}
-    impl = resolve_backend(backend, q.device, kernel_inputs=named)
-    if impl == "reference" or q.numel() == 0:  # nothing to launch for an empty batch, head or sequence
+    impl = _checked_impl(q, k, v, gate_logits, gate, smear_alpha, backend)
+    if impl == "reference":
         return reference.gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)
     if impl == "eager":
         return gated_attention_eager(q, k, v, gate_logits, gate, smear_alpha, backend="eager")
-    if q.shape[-1] > 128:  # one head row is one register tile; wider heads would need a loop over Dh
-        raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
     out, _ = gated_attention_op(q, k, v, gate_logits, smear_alpha, gate, impl)
     return out
 
