@@ -164,10 +164,11 @@ NO_KERNEL_OPS = {
 
 
 @contextlib.contextmanager
-def stubbed_kernel_launches() -> Iterator[Counter]:
+def stubbed_kernel_launches(on_launch: Callable[[str], None] | None = None) -> Iterator[Counter]:
     """Within the block every launch of the package's Triton kernels is a no-op that is counted (the
     counter maps kernel name -> launches); every kernel module is imported first, so each one's
-    ``launch`` is replaced, and restored afterwards."""
+    ``launch`` is replaced, and restored afterwards. ``on_launch(kernel name)``, if given, runs in the
+    launcher's ``launch(kernel, grid)`` call (tests read the stack there)."""
     from icrl_kernels import _triton
 
     autotuned_kernels()  # imports every ``*kernels`` module
@@ -175,6 +176,8 @@ def stubbed_kernel_launches() -> Iterator[Counter]:
     counters: dict = {}  # kernel -> its counting no-op, made once: the stub itself should cost next to nothing
 
     def counting_launch(kernel, grid):
+        if on_launch is not None:
+            on_launch(_triton.kernel_name(kernel))
         run = counters.get(kernel)
         if run is None:
             name = _triton.kernel_name(kernel)

@@ -517,6 +517,42 @@ def test_launches_per_call_are_pinned():
     assert counted == LAUNCHES_PER_CALL, "launches per call changed (Triton, PyTorch): update the pin if they fell"
 
 
+#: Most Python frames from a public function (itself included) to the function that launches a kernel: on
+#: a GPU each frame is host time before the launch. The fast path is public function -> the op's
+#: ``__call__`` -> (autograd.Function.apply, in C) -> the op's forward -> the launcher.
+MAX_FRAMES_TO_LAUNCH = 5
+
+
+@pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1 (the Triton path on CPU tensors)")
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_public_functions_are_few_frames_from_their_launches(grad):
+    import sys
+
+    from benchmarks import dispatch_overhead
+
+    names = ("ngram_attention", "mixture_of_heads", "inject_layer_norm", "gated_attention", "smeared_keys")
+    public = {name: getattr(ik, name).__code__ for name in names}
+    depths: dict[str, int] = {}
+
+    def on_launch(kernel):
+        frame, depth = sys._getframe(2), 1  # the launcher (1: this hook, the stub's launch)
+        while frame is not None and frame.f_code not in public.values():
+            frame, depth = frame.f_back, depth + 1
+        if frame is not None:
+            depths[f"{frame.f_code.co_name}:{kernel}"] = max(depth, depths.get(f"{frame.f_code.co_name}:{kernel}", 0))
+
+    cases = {name: case for name, case in dispatch_overhead._cases().items() if name.split(" ")[0] in public}
+    with dispatch_overhead.stubbed_kernel_launches(on_launch), torch.set_grad_enabled(grad):
+        previous = ik.set_value_checks("off")
+        try:
+            for case in cases.values():
+                case.ours("triton", *case.make_inputs())
+        finally:
+            ik.set_value_checks(previous)
+    assert {key.split(":")[0] for key in depths} == set(public)
+    assert max(depths.values()) <= MAX_FRAMES_TO_LAUNCH, depths
+
+
 def test_host_size_arithmetic_equals_tritons():
     """The launchers' plain-Python ``cdiv`` / ``next_power_of_2`` (Triton's are constexpr functions, microseconds
     a host call) give Triton's values."""
