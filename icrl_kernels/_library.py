@@ -9,10 +9,10 @@ Two refinements, both in :func:`differentiable_op` and :func:`inference_op` so t
 
 * **Registration.** An op whose implementation is *traceable* (only torch ops and kernel launches through
   :func:`icrl_kernels._triton.launch`, no host reads of tensor values) is registered with
-  ``torch.library.triton_op`` where torch has it (>= 2.6): ``torch.compile`` then traces into it, so
-  Inductor sees the Triton kernels (and the eager path's torch ops) instead of an opaque call, while
-  ``torch.export`` still keeps the op as one node. Other ops, older torch, and processes where Triton runs
-  on its CPU interpreter (whose kernels cannot run on fake tensors) use ``torch.library.custom_op``.
+  ``torch.library.triton_op``: ``torch.compile`` then traces into it, so Inductor sees the Triton kernels
+  (and the eager path's torch ops) instead of an opaque call, while ``torch.export`` still keeps the op as
+  one node. Other ops, and processes where Triton runs on its CPU interpreter (whose kernels cannot run on
+  fake tensors), use ``torch.library.custom_op``.
   ``ICRL_TRITON_OP=0`` forces ``custom_op`` everywhere (see :func:`uses_triton_op`).
 * **Eager fast path.** A call through the dispatcher costs several Python layers per op (the Autograd
   kernel, a generated ``autograd.Function``, the redispatch, the backend wrapper, aliasing checks), for
@@ -202,8 +202,8 @@ def checked_per_signature(check: Callable[..., T]) -> Callable[..., T]:
     return checked
 
 
-#: ``torch.library.triton_op`` (torch >= 2.6; the package needs >= 2.11).
-_TRITON_OP = getattr(torch.library, "triton_op", None)
+#: ``torch.library.triton_op``.
+_TRITON_OP = torch.library.triton_op
 
 
 def uses_triton_op(traceable: bool = True) -> bool:
@@ -217,7 +217,6 @@ def uses_triton_op(traceable: bool = True) -> bool:
     return (
         traceable
         and enabled
-        and _TRITON_OP is not None
         and triton_available()  # without Triton, triton_op only warns at import and adds nothing
         and not triton_interpreter_enabled()
     )

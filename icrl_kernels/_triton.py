@@ -75,8 +75,7 @@ def imported_autotuned_kernels() -> list:
     return list(_AUTOTUNED)
 
 
-#: ``torch.library.wrap_triton`` (torch >= 2.6), else None.
-_wrap_triton = getattr(torch.library, "wrap_triton", None)
+_wrap_triton = torch.library.wrap_triton
 
 
 def launch(kernel, grid):
@@ -87,10 +86,9 @@ def launch(kernel, grid):
 
     Outside tracing the wrapper would only add a higher-order-op dispatch to every launch, so plain eager
     calls launch directly. Under ``TRITON_INTERPRET=1`` kernels are never wrapped: the interpreter runs them
-    on the host at once (it cannot run on fake tensors), and older torch's ``wrap_triton`` rejects
-    interpreted kernels.
+    on the host at once (it cannot run on fake tensors).
     """
-    if _wrap_triton is not None and _tracing() and not triton_interpreter_enabled():
+    if _tracing() and not triton_interpreter_enabled():
         return _wrap_triton(kernel)[grid]
     return kernel[grid]
 

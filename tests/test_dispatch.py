@@ -309,8 +309,6 @@ def _toy_backward(grad: torch.Tensor, impl: str) -> torch.Tensor:
 def toy_op():
     """A differentiable op registered as a ``triton_op`` traceable for ``impl="traced"`` only (forced here,
     since under ``TRITON_INTERPRET=1`` the package's ops are plain custom ops)."""
-    if _library._TRITON_OP is None:
-        pytest.skip("torch.library.triton_op needs torch >= 2.6")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_library, "triton_interpreter_enabled", lambda: False)
         patch.delenv("ICRL_TRITON_OP", raising=False)
@@ -362,8 +360,6 @@ def test_triton_op_is_kept_whole_by_export(toy_op):
 
 def test_registration_choice():
     assert not _library.uses_triton_op(False)
-    if _library._TRITON_OP is None:
-        assert not _library.uses_triton_op(True)
     # Interpreted kernels run on the host at once and cannot be traced: never triton_op under the interpreter.
     from icrl_kernels._backend import triton_interpreter_enabled
 
@@ -489,7 +485,7 @@ def test_triton_host_overhead_measure_counts_launches_and_restores_them():
 #: launch costs host time on a GPU (issue: a lean host path for every op), so the counts are pinned: a change
 #: that adds a launch fails here; one that removes a launch lowers its entry.
 LAUNCHES_PER_CALL = {
-    "ngram_attention": (2, 3),
+    "ngram_attention": (2, 2),  # the tiled kernel; no zero gradient made for its match counts
     "ngram_attention (sort path)": (5, 4),
     "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
     "select_actions (no grad)": (1, 1),
