@@ -85,42 +85,19 @@ def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.devi
     return out
 
 
-def empty_output_strided(
-    shape: Sequence[int], strides: Sequence[int], *, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """:func:`empty_output` with the given strides (``torch.empty_strided``)."""
-    out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-    if _poison_outputs:
-        out.fill_(float("nan") if out.is_floating_point() else -1)
-    return out
-
-
-@functools.lru_cache(maxsize=256)
-def dense_strides_like(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
-    """The strides of a dense (gapless) tensor of ``shape`` whose memory order follows ``strides``: the
-    dimension with the largest stride outermost, ties kept in dimension order."""
-    order = sorted(range(len(shape)), key=lambda dim: -strides[dim])
-    dense = [0] * len(shape)
-    step = 1
-    for dim in reversed(order):
-        dense[dim] = step
-        step *= max(1, shape[dim])
-    return tuple(dense)
-
-
 def empty_output_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """:func:`empty_output` of ``like``'s shape whose memory order follows ``like``'s strides (dense, no gaps).
 
     For a gradient written in its input's own memory order, so that it matches whatever layout the
     producer chose: e.g. PyTorch's flash kernels return ``[B, H, L, Dh]`` outputs that are
     ``[B, L, H, Dh]``-contiguous, while SDPA's math path returns ``[B, H, L, Dh]``-contiguous ones.
+    (``torch.empty_like`` keeps a dense tensor's strides and gives any other strided tensor dense strides
+    in the same order.)
     """
-    shape = like.shape
-    try:
-        strides = dense_strides_like(shape, like.stride())
-    except TypeError:  # symbolic sizes while torch traces: not hashable
-        strides = dense_strides_like.__wrapped__(shape, like.stride())
-    return empty_output_strided(shape, strides, dtype=dtype, device=like.device)
+    out = torch.empty_like(like, dtype=dtype)
+    if _poison_outputs:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
