@@ -334,8 +334,8 @@ def fold_vmap_into_batch(op: Any) -> Any:
 
 
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient nobody asked
-    for, see ``pass_needs_grad``) becomes an empty tensor of the first tensor argument's dtype and device,
+    """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient of an absent
+    input, or one nobody asked for) becomes an empty tensor of the first tensor argument's dtype and device,
     a distinct one each (outputs of a custom op are tensors and may not alias). The fast path calls
     ``backward`` itself and skips those allocations; the op's fake returns the same placeholders."""
 
@@ -387,7 +387,10 @@ def differentiable_op(
         name: op name inside the ``icrl`` namespace.
         forward: the real forward, fully type-annotated (the schema is inferred from it).
         forward_fake: shapes/dtypes of the forward's outputs, for FakeTensor tracing.
-        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated.
+        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated. A ``None`` among the
+            grads (an absent optional input's, or with ``pass_needs_grad`` one nobody asked for) reaches
+            autograd as ``None``; the registered backward op returns an empty tensor in its place
+            (:func:`first_tensor`'s dtype and device), as its fake must too.
         backward_fake: fake implementation of ``backward``.
         save: ``save(inputs, output) -> saved``: the values (tensors or Python scalars/strings) that
             ``backward`` needs after the forward's gradients.
@@ -397,9 +400,7 @@ def differentiable_op(
             gradients (the rest, e.g. integer side outputs saved for the backward, are not passed on).
         pass_needs_grad: append ``needs_grad: list[bool]`` (one flag per entry of ``grad_inputs``) to
             the backward's arguments, so it can skip gradients nobody asked for; it returns ``None`` (or any
-            tensor) in their place, and autograd receives ``None`` for them. The registered backward op
-            returns an empty tensor for each ``None`` (:func:`first_tensor`'s dtype and device), as its
-            fake must too.
+            tensor) in their place, and autograd receives ``None`` for them.
         traceable: ``forward`` and ``backward`` use only torch ops and kernel launches through
             :func:`icrl_kernels._triton.launch`, with no host read of a tensor value and no
             data-dependent output shape, so ``torch.compile`` may trace into them: both ops are then
@@ -419,8 +420,7 @@ def differentiable_op(
         function that calls it.
     """
     forward_op = _register(name, forward, forward_fake, traceable)
-    registered_backward = _nones_as_empty(backward) if pass_needs_grad else backward
-    backward_op = _register(f"{name}_backward", registered_backward, backward_fake, traceable)
+    backward_op = _register(f"{name}_backward", _nones_as_empty(backward), backward_fake, traceable)
     grad_inputs = tuple(grad_inputs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:

@@ -53,21 +53,15 @@ def _backward(
     gate: str,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_q, grad_k, grad_v, grad_gate, grad_alpha = _kernels().gated_attention_backward_triton(
-        grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate
-    )
-    # The op's schema returns tensors: an empty one stands for an absent input's gradient (autograd gets None).
-    return grad_q, grad_k, grad_v, _or_empty(grad_gate, q), _or_empty(grad_alpha, q)
-
-
-def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return grad if grad is not None else like.new_empty(0)
+    # None for an absent input's gradient (the registered op returns an empty tensor there).
+    return _kernels().gated_attention_backward_triton(grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate)
 
 
 def _backward_fake(grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate, impl):
     grads = [q.new_empty(q.shape) for _ in range(3)]
-    grad_gate = gate_logits.new_empty(gate_logits.shape) if gate_logits is not None else q.new_empty(0)
-    grad_alpha = smear_alpha.new_empty(smear_alpha.shape) if smear_alpha is not None else q.new_empty(0)
+    # The registered backward's placeholders for absent inputs: empty, like its first tensor argument.
+    grad_gate = gate_logits.new_empty(gate_logits.shape) if gate_logits is not None else grad_out.new_empty(0)
+    grad_alpha = smear_alpha.new_empty(smear_alpha.shape) if smear_alpha is not None else grad_out.new_empty(0)
     return (*grads, grad_gate, grad_alpha)
 
 

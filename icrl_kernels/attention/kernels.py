@@ -46,6 +46,7 @@ from .._library import empty_output
 from .._triton import autotune, cdiv, launch, next_power_of_2, per_signature, size_bucket
 from ..moa.checks import GATES
 from ..moa.kernels import _gate_weights
+from ..smeared.kernels import smeared_keys_backward_triton
 
 #: softmax 0, sigmoid 1, linear 2 (as ``mixture_of_heads``' kernels), no gate 3.
 GATE_CODES = {**{name: code for code, name in enumerate(GATES)}, None: len(GATES)}
@@ -523,7 +524,5 @@ def gated_attention_backward_triton(
     )  # fmt: skip
     grad_alpha = None
     if smeared:
-        from ..smeared.kernels import smeared_keys_backward_triton
-
         grad_k, grad_alpha = smeared_keys_backward_triton(grad_k, k, smear_alpha)
     return grad_q, grad_k, grad_v, grad_gate, grad_alpha
