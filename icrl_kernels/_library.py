@@ -380,6 +380,7 @@ def differentiable_op(
     pass_needs_grad: bool = False,
     traceable: Traceable = False,
     materialize_grads: bool = True,
+    saved_tensors: int | None = None,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -411,6 +412,9 @@ def differentiable_op(
             ``differentiable_outputs`` (a side output as large as an input, e.g. a gradient saved for the
             backward, would otherwise cost a memset and its memory in every backward); the backward must
             then never need the gradient of an unused differentiable output.
+        saved_tensors: the number of leading values of ``save``'s result that are tensors or ``None`` (the
+            rest being constants, e.g. ``impl``): they go to ``ctx.save_for_backward`` as they are, instead
+            of being sorted from the constants in every call. ``None`` (default): sorted per call.
 
     Returns:
         ``(forward_op, backward_op)``: ``CustomOpDef`` s of ``torch.ops.icrl.<name>`` and
@@ -427,14 +431,21 @@ def differentiable_op(
         if not materialize_grads:
             ctx.set_materialize_grads(False)
         saved = save(inputs, output)
+        if saved_tensors is not None:  # the layout declared: tensors (or None) first, then constants
+            ctx.save_for_backward(*saved[:saved_tensors])
+            ctx.constants = saved[saved_tensors:]
+            return
         tensors = [value for value in saved if isinstance(value, _Tensor)]
         ctx.save_for_backward(*tensors)
         # Non-tensors are kept as they are, tensors (saved above) as a marker.
         ctx.constants = [_SAVED_TENSOR if isinstance(value, _Tensor) else value for value in saved]
 
     def gradients(ctx: Any, grad_outputs: tuple, run_backward: Callable[..., Any]) -> tuple:
-        tensors = iter(ctx.saved_tensors)
-        saved = [next(tensors) if value is _SAVED_TENSOR else value for value in ctx.constants]
+        if saved_tensors is not None:
+            saved = (*ctx.saved_tensors, *ctx.constants)
+        else:
+            tensors = iter(ctx.saved_tensors)
+            saved = [next(tensors) if value is _SAVED_TENSOR else value for value in ctx.constants]
         flags = ctx.needs_input_grad
         needs = [flags[index] for index in grad_inputs]
         extra = (needs,) if pass_needs_grad else ()

@@ -73,6 +73,7 @@ gated_attention_op, gated_attention_backward_op = differentiable_op(
     backward_fake=_backward_fake,
     # (q, k, v, gate_logits, smear_alpha, out, lse, gate, impl)
     save=lambda inputs, output: (*inputs[:5], output[0], output[1], *inputs[5:]),
+    saved_tensors=7,
     grad_inputs=(0, 1, 2, 3, 4),
     differentiable_outputs=1,
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)

@@ -115,6 +115,7 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=_save,
+    saved_tensors=6,  # hidden, mean, rstd, weight, bias, pos; then impl
     grad_inputs=(0, 1, 2, 3, 4),  # y, prompt, pos, weight, bias
     differentiable_outputs=2,
     pass_needs_grad=True,

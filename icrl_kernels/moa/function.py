@@ -52,6 +52,7 @@ mixture_of_heads_op, mixture_of_heads_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs,  # (head_out, gate_logits, gate, impl)
+    saved_tensors=2,
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )

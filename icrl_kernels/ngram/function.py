@@ -105,6 +105,7 @@ ngram_attention_op, ngram_attention_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs[1:],  # (perm, meta, count, impl)
+    saved_tensors=3,
     grad_inputs=(0,),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
@@ -134,6 +135,7 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
     backward=_tiled_backward,
     backward_fake=_tiled_backward_fake,
     save=lambda inputs, output: (inputs[1], output[1], inputs[2]),  # (ids, count, n)
+    saved_tensors=2,
     grad_inputs=(0,),
     differentiable_outputs=1,
     traceable=True,  # Triton only: torch.compile traces into the kernels (triton_op)

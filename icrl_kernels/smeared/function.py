@@ -51,6 +51,7 @@ smeared_keys_op, smeared_keys_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs,  # (k, alpha, impl)
+    saved_tensors=2,
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
