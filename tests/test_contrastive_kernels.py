@@ -59,7 +59,7 @@ from icrl_kernels.contrastive import (
     select_actions_reference,
 )
 from icrl_kernels.contrastive import eager as contrastive_eager
-from icrl_kernels.contrastive.algorithms import FUSED
+from icrl_kernels.contrastive.algorithms import FUSED, INFONCE_ALGORITHMS
 from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, padded_mask, select_actions_op
 from icrl_kernels.modules.action_map import ActionMap
 from icrl_kernels.testing import (
@@ -436,8 +436,19 @@ def test_opcheck(backend, device):
     torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, impl))
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_torch_compile_fullgraph_matches_eager(backend, device):
+COMPILE_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
+    pytest.param("triton", algorithm, device, id=f"{algorithm}-{device}")
+    for device in TRITON_DEVICES
+    for algorithm in INFONCE_ALGORITHMS
+]
+
+
+@pytest.mark.parametrize("backend,algorithm,device", COMPILE_PATHS)
+def test_torch_compile_fullgraph_matches_eager(backend, algorithm, device):
+    """A training step with both ops compiles without a graph break (``fullgraph=True``; the ops are
+    ``triton_op``s, or opaque custom ops under the interpreter) and gives the eager loss, gradients and actions;
+    the compiled graph still rejects bad targets (their check lives inside the op). Inductor for the fused
+    algorithm, ``aot_eager`` (the same graph capture, no code generation) for the others."""
     gen = torch.Generator().manual_seed(14)
     pred = torch.randn(3, 7, 16, generator=gen).to(device)
     embeds = torch.randn(5, 16, generator=gen).to(device)
@@ -445,23 +456,66 @@ def test_torch_compile_fullgraph_matches_eager(backend, device):
     targets[0, 0] = IGNORE
 
     def step(p, e, t):
-        return infonce_loss(p, e, t, tau=0.7, backend=backend) * 3.0
+        loss = infonce_loss(p, e, t, tau=0.7, backend=backend, algorithm=algorithm) * 3.0
+        return loss, select_actions(p.detach(), e.detach(), mode="argmax", backend=backend, algorithm=algorithm)
 
-    compiled = torch.compile(step, fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if algorithm in ("auto", FUSED) else "aot_eager")
     p1, e1 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
     p2, e2 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    out = compiled(p1, e1, targets)
+    out, actions = compiled(p1, e1, targets)
     out.backward()
-    expected = step(p2, e2, targets)
+    expected, expected_actions = step(p2, e2, targets)
     expected.backward()
     assert_close_rel(out.detach(), expected.detach(), name="compiled loss")
     assert_close_rel(p1.grad, p2.grad, name="compiled grad_pred")
     assert_close_rel(e1.grad, e2.grad, name="compiled grad_embeds")
-    # The target checks live inside the opaque op, so the compiled graph still rejects bad targets.
+    assert torch.equal(actions, expected_actions)
     bad = targets.clone()
     bad[1, 1] = 5
     with pytest.raises(ValueError, match="targets must lie in"):
         compiled(p1, e1, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="traced kernels run on CUDA only (not the interpreter)")
+@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
+def test_torch_compile_traces_into_the_kernels(algorithm):
+    """On CUDA the ops are ``triton_op``s: AOTAutograd's forward and backward graphs hold the Triton kernels
+    (``triton_kernel_wrapper_functional``) and the torch ops around them, not an opaque ``icrl`` op, and the
+    compiled step gives the eager values and gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from icrl_kernels._library import uses_triton_op
+
+    if not uses_triton_op():
+        pytest.skip("the ops are plain custom ops in this process (ICRL_TRITON_OP=0)")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    pred = torch.randn(4, 50, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    embeds = torch.randn(100, 64, generator=gen, device="cuda", dtype=torch.bfloat16) / 8
+    targets = torch.randint(0, 100, (4, 50), generator=gen, device="cuda")
+
+    def step(p, e, t):
+        actions = select_actions(p.detach(), e, mode="argmax", algorithm=algorithm)
+        return infonce_loss(p, e, t, tau=0.7, algorithm=algorithm), actions
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    loss, _ = compiled(pred, embeds, targets)
+    (grad,) = torch.autograd.grad(loss, pred)
+    expected_grad = torch.autograd.grad(step(pred, embeds, targets)[0], pred)[0]
+    assert_close_rel(grad, expected_grad, rms_tol=RMS_TOLERANCE[torch.bfloat16], name="compiled grad_pred")
+    for graph in graphs:
+        targets_called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+        assert any("triton_kernel_wrapper" in name for name in targets_called), targets_called
+        assert not any(name.startswith("icrl.") for name in targets_called), targets_called
 
 
 def test_torch_compile_fullgraph_with_mask():

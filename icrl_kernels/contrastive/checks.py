@@ -23,6 +23,7 @@ from .._validation import (
     check_status_codes,
     check_tensor,
     check_values,
+    device_side_value_checks,
     value_checks,
 )
 from .algorithms import (
@@ -294,6 +295,9 @@ def check_row_status(
     call costs three small ops instead of 8 (22 with a mask)."""
     if value_checks() == "off":  # before building any message
         return
+    if torch.compiler.is_compiling():  # traced into a graph (triton_op): no host read, the device assert
+        with device_side_value_checks():
+            return check_row_status(status, targets, num_actions, ignore_index, has_mask)
     range_message = _range_message(num_actions, ignore_index)
     check_status_codes(
         status,
@@ -313,6 +317,9 @@ def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: tor
     assert on CUDA (three ops, where a separate mask check and NaN check took eight)."""
     if value_checks() == "off":  # before building any message
         return
+    if torch.compiler.is_compiling():  # traced into a graph (triton_op): no host read, the device assert
+        with device_side_value_checks():
+            return check_selection_status(status, pred, embeds, has_mask)
     check_status_codes(
         status,
         (
