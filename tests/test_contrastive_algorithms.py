@@ -225,6 +225,28 @@ def test_chunks_cover_every_row_once_and_stay_in_their_budget(monkeypatch, case:
     assert logit_blocks and all(4 * math.prod(shape) <= budget for shape in logit_blocks), logit_blocks
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_rows", [0, 10**6], ids=["torch-count", "kernel-count"])
+def test_small_mean_counts_its_rows(monkeypatch, device, max_rows):
+    """The small kernel's mean: its rows counted by the kernel itself (up to ``COUNT_IN_KERNEL_MAX_ROWS`` rows of
+    one run: no torch op around the launch) or by torch ops, the same loss and gradient either way, also where
+    every row is padding (NaN, gradient 0); a spy on the torch ops shows which one ran."""
+    from icrl_kernels.contrastive import small_kernels
+
+    monkeypatch.setattr(small_kernels, "COUNT_IN_KERNEL_MAX_ROWS", max_rows)
+    counts = []
+    real_count = small_kernels.count_rows
+    monkeypatch.setattr(small_kernels, "count_rows", lambda *args: counts.append(args) or real_count(*args))
+    case = CASES["A7-BTD-maskBA-tau1.7"]
+    inputs = make_inputs(case, torch.float32, device, seed=61)
+    check_infonce_parity(inputs, "triton", tau=case.tau, reduction="mean", algorithm=SMALL, embeds_grad=False)
+    pred = inputs.pred.clone().requires_grad_(True)
+    padding = torch.full_like(inputs.targets, IGNORE)
+    loss = infonce_loss(pred, inputs.embeds, padding, backend="triton", algorithm=SMALL)
+    assert torch.isnan(loss) and not torch.autograd.grad(loss, pred)[0].any()
+    assert bool(counts) == (max_rows == 0), counts
+
+
 # --- InfoNCE: edge cases, on every new path --------------------------------------------------------------
 
 NEW_PATHS = [pytest.param(algorithm, device, id=f"{algorithm}-{device}") for algorithm in (SMALL, *CHUNKED)

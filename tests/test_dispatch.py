@@ -383,7 +383,7 @@ def test_triton_host_overhead_measure_counts_launches_and_restores_them():
 LAUNCHES_PER_CALL = {
     "ngram_attention": (2, 3),
     "ngram_attention (sort path)": (5, 4),
-    "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
+    "infonce_loss": (1, 4),  # A = 8: the small algorithm, its kernel counts the mean (contrastive/small_kernels.py)
     "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
     "inject_layer_norm": (2, 7),
