@@ -1459,8 +1459,10 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
                             {**flags, "BLOCK_A": k._block_a(A, half)}, **info)
     if A <= 128:  # the small algorithm: one action tile, the gradient for pred in the same kernel (any width)
-        jobs += config_jobs(sk._infonce_small_kernel, signature,
-                            {**flags, "BLOCK_A": 128, "WRITE_GRAD": True, "ROW_WEIGHTS": sk.WEIGHT_MEAN}, **info)
+        # The mean counted by the kernel (a small call), and counted by torch with the lse the map's gradient reads.
+        for weights, store_lse in ((sk.WEIGHT_MEAN_COUNTED, False), (sk.WEIGHT_MEAN, True)):
+            jobs += config_jobs(sk._infonce_small_kernel, signature, {**flags, "BLOCK_A": 128, "WRITE_GRAD": True,
+                                "ROW_WEIGHTS": weights, "STORE_LSE": store_lse}, **info, weights=weights)
     elif D == 512:  # the chunk kernels read logits, not pred: the width does not matter
         for stats, first, last, grad in ((True, True, True, True), (True, True, False, False),
                                          (True, False, True, False), (False, False, False, True)):
