@@ -1027,6 +1027,9 @@ COMMON_ERRORS = [
     _bad("mask-shape-BTA", ValueError, "mask must have shape", mask=torch.ones(2, 4, 4, dtype=torch.bool)),
     _bad("mask-all-false-row", ValueError, "mask leaves a row", mask=torch.tensor([[True] * 4, [False] * 4])),
     _bad("backend", ValueError, "backend must be one of", backend="cuda"),
+    _bad("algorithm", ValueError, "algorithm must be one of", algorithm="tiled"),
+    _bad("algorithm-off-triton", ValueError, "algorithm='fused' runs on the Triton backend", algorithm="fused",
+         backend="eager"),
 ]  # fmt: skip
 
 LOSS_ERRORS = [
@@ -1056,6 +1059,33 @@ def test_select_bad_input_names_the_argument(transform, error, match):
     args.pop("targets")
     with pytest.raises(error, match=match):
         select_actions(args.pop("pred"), args.pop("action_embeds"), **args)
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    """A repeated argument signature skips the argument checks (one lookup); a change of any shape, dtype or
+    device, or of an option's value or type, is a new signature, checked in full. Bad input raises at every
+    call, also right after the same call with good input (``tau=True`` after ``tau=1.0``: equal, not the same)."""
+    from icrl_kernels.contrastive import checks
+
+    calls = []
+    real = checks.check_pred_and_map
+    monkeypatch.setattr(checks, "check_pred_and_map", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(checks, "_PLANS", {})
+    args = _base_args()
+    for _ in range(3):
+        infonce_loss(**args, backend="eager")
+        select_actions(args["pred"], args["action_embeds"], mode="argmax", backend="eager")
+    assert len(calls) == 2, "one check per op and signature"
+    infonce_loss(args["pred"][:1], args["action_embeds"], args["targets"][:1], backend="eager")
+    infonce_loss(**args, tau=1, backend="eager")  # an int: another type than the float 1.0
+    assert len(calls) == 4
+    for _ in range(2):
+        with pytest.raises(TypeError, match="tau must be a real number"):
+            infonce_loss(**args, tau=True, backend="eager")
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            infonce_loss(**args, reduction="avg", backend="eager")
+        with pytest.raises(TypeError, match="pred must be a torch.Tensor"):
+            infonce_loss(args["pred"].tolist(), args["action_embeds"], args["targets"], backend="eager")
 
 
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
