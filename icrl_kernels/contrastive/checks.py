@@ -7,6 +7,7 @@ available action) go through ``check_values`` or, from the per-row status a kern
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -294,16 +295,17 @@ def check_row_status(
     if value_checks() == "off":  # before building any message
         return
     range_message = _range_message(num_actions, ignore_index)
-    _check_status(
-        status,
-        (
-            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
-            # The same text as check_target_values: up to five offending targets.
-            (ROW_TARGET_OUT_OF_RANGE, range_message, lambda bad: f", got {targets[bad][:5].tolist()}"),
-            (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, lambda bad: f", e.g. {targets[bad][:5].tolist()}"),
-        ),
-        range_message + (f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}" if has_mask else ""),
-    )
+    with _traced_checks():
+        check_status_codes(
+            status,
+            (
+                (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+                # The same text as check_target_values: up to five offending targets.
+                (ROW_TARGET_OUT_OF_RANGE, range_message, lambda bad: f", got {targets[bad][:5].tolist()}"),
+                (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, lambda bad: f", e.g. {targets[bad][:5].tolist()}"),
+            ),
+            range_message + (f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}" if has_mask else ""),
+        )
 
 
 def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: torch.Tensor, has_mask: bool) -> None:
@@ -312,25 +314,24 @@ def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: tor
     assert on CUDA (three ops, where a separate mask check and NaN check took eight)."""
     if value_checks() == "off":  # before building any message
         return
-    _check_status(
-        status,
-        (
-            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+    with _traced_checks():
+        check_status_codes(
+            status,
             (
-                ROW_NAN_LOGIT,
-                NAN_LOGIT_MESSAGE,
-                lambda _: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}",
+                (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+                (
+                    ROW_NAN_LOGIT,
+                    NAN_LOGIT_MESSAGE,
+                    lambda _: (
+                        f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}"
+                    ),
+                ),
             ),
-        ),
-        NAN_LOGIT_MESSAGE + (f"; or {NO_ACTION_MESSAGE}" if has_mask else ""),
-    )
+            NAN_LOGIT_MESSAGE + (f"; or {NO_ACTION_MESSAGE}" if has_mask else ""),
+        )
 
 
-def _check_status(status: torch.Tensor, rules: tuple, async_message: str) -> None:
-    """``check_status_codes``; while torch traces an op's implementation into a graph (a ``triton_op``), the
-    device assert whatever the mode: the graph reads nothing on the host."""
-    if torch.compiler.is_compiling():
-        with device_side_value_checks():
-            check_status_codes(status, rules, async_message)
-    else:
-        check_status_codes(status, rules, async_message)
+def _traced_checks() -> contextlib.AbstractContextManager:
+    """While torch traces an op's implementation into a graph (a ``triton_op``), the value checks' device
+    assert whatever the mode: the graph reads nothing on the host."""
+    return device_side_value_checks() if torch.compiler.is_compiling() else contextlib.nullcontext()
