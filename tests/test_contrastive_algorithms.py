@@ -546,6 +546,41 @@ def test_no_host_reads(algorithm, device):
     assert not detector.reads, f"{algorithm} reads device values on the host: {detector.reads}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", [SMALL, FUSED])
+def test_ops_launch_two_frames_below_their_forward(monkeypatch, algorithm, device):
+    """The ops' implementations reach the launch through one function, the table's entry (its launcher):
+    ``_forward`` / ``_select`` -> the entry -> ``launch`` (the backward, which autograd calls, may take one more).
+    With the registered op's fast path (public function -> the op's ``__call__`` -> its forward) that is the
+    issue's five frames from the public function to the launch, at the action counts these algorithms serve (the
+    chunked ones, for ``A >= 1024``, loop over chunks in a few more)."""
+    import sys
+
+    from icrl_kernels.contrastive import function, fused_kernels, small_kernels
+
+    impls = {function._forward.__code__, function._select.__code__}
+    depths = []
+    for module in (fused_kernels, small_kernels):
+        real = module.launch
+
+        def spy(kernel, grid, real=real):
+            frame, depth = sys._getframe(1), 1
+            while frame is not None and frame.f_code not in impls:
+                frame, depth = frame.f_back, depth + 1
+            depths.append((frame.f_code.co_name if frame else None, depth))
+            return real(kernel, grid)
+
+        monkeypatch.setattr(module, "launch", spy)
+    pred = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    embeds = torch.randn(7, 16, device=device)
+    targets = torch.randint(0, 7, (2, 5), device=device)
+    infonce_loss(pred, embeds, targets, backend="triton", algorithm=algorithm).backward()
+    select_actions(pred.detach(), embeds, backend="triton", algorithm=algorithm)
+    called = [(name, depth) for name, depth in depths if name is not None]  # (the backward's launches: None)
+    assert {name for name, _ in called} == {"_forward", "_select"}, depths
+    assert max(depth for _, depth in called) == 2, depths
+
+
 def test_dispatch_by_number_of_actions():
     """The named thresholds pick the algorithms (their values are placeholders for the GPU sweep)."""
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

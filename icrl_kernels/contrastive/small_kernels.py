@@ -143,52 +143,33 @@ def _infonce_small_kernel(
 
 def infonce_forward(
     pred, embeds, targets, mask, tau: float, ignore_index: int, reduction: str, runs: int, want_pred: bool,
-    want_embeds: bool,
+    want_embeds: bool, weights=None,
 ):  # fmt: skip
     """``ALGORITHMS["small"]``'s forward (``algorithms.Algorithm``): one launch writes each row's loss (the mean's
     term ``loss / count`` for ``"mean"``: the reduction is one sum) and status and, for ``"mean"`` and ``"sum"``,
     the gradient for ``pred`` wanted (the fused ``grad_embeds`` kernel adds the map's). A mean of one run of at
-    most :data:`COUNT_IN_KERNEL_MAX_ROWS` rows is counted by the kernel (no torch ops around it)."""
-    reduced = reduction != "none"
-    want_pred, want_embeds = reduced and want_pred, reduced and want_embeds
+    most :data:`COUNT_IN_KERNEL_MAX_ROWS` rows is counted by the kernel (no torch ops around it).
+
+    ``weights`` (the backward's, with ``reduction="none"``): float32 per-row loss gradients (0 on ignored rows),
+    the row weights of the gradients wanted instead of the reduction's."""
+    mean = reduction == "mean"
+    if weights is None and reduction == "none":  # the losses only: the backward computes the gradients
+        want_pred = want_embeds = False
     count = None
-    if reduction == "mean" and (runs > 1 or want_embeds or targets.numel() > COUNT_IN_KERNEL_MAX_ROWS):
+    if mean and (runs > 1 or want_embeds or targets.numel() > COUNT_IN_KERNEL_MAX_ROWS):
         count = count_rows(targets, ignore_index, runs)
-    losses, _, status, grad_pred, grad_embeds = _launch(
-        pred, embeds, targets, mask, tau, ignore_index, None, count, reduction == "mean", want_pred, want_embeds
-    )
-    loss = losses if not reduced else losses.sum() if runs == 1 else losses.view(runs, -1).sum(1)
-    return loss, None, status, grad_pred, grad_embeds
-
-
-def infonce_backward(
-    weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred: bool, want_embeds: bool
-):  # fmt: skip
-    """``ALGORITHMS["small"]``'s backward (``reduction="none"``): the kernel again, with the upstream row
-    ``weights``."""
-    return _launch(pred, embeds, targets, mask, tau, ignore_index, weights, None, False, want_pred, want_embeds)[3:]
-
-
-def _launch(
-    pred, embeds, targets, mask, tau: float, ignore_index: int, weights, count, mean: bool, want_pred, want_embeds
-):  # fmt: skip
-    """``(losses, lse, status, grad_pred, grad_embeds)``: the kernel's per-row float32 losses (the mean's terms
-    with ``mean``), log-sum-exps (None unless the map's gradient needs them) and int8 statuses, and the
-    gradients wanted (else None) under the row weights ``weights`` (float32 per row, 0 on ignored rows: the
-    backward's) if given, else ``1 / count[run]`` (``count``: int64, each run's non-ignored rows; counted by the
-    kernel where ``mean`` and ``count`` is None: one run) with ``mean``, else 1."""
-    shape = layout(pred, embeds)
-    mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
-    losses = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
-    lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device) if want_embeds else None
-    status = empty_output(targets.shape, dtype=torch.int8, device=pred.device)
-    grad_pred = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if want_pred else None
     if weights is not None:
         row_weights_kind = WEIGHT_GIVEN
     elif mean:
         row_weights_kind = WEIGHT_MEAN if count is not None else WEIGHT_MEAN_COUNTED
     else:
         row_weights_kind = WEIGHT_ONE
+    shape = layout(pred, embeds)
+    mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
+    losses = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
+    lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device) if want_embeds else None
+    status = empty_output(targets.shape, dtype=torch.int8, device=pred.device)
+    grad_pred = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if want_pred else None
     # Pointers a variant never reads stand in for the absent tensors.
     launch(_infonce_small_kernel, shape.grid)(
         pred, embeds, mask_t, targets, losses if weights is None else weights, targets if count is None else count,
@@ -201,7 +182,19 @@ def _launch(
     )  # fmt: skip
     grad_embeds = None
     if want_embeds:  # a reduction over every row: the fused kernel's, from the log-sum-exp just written
-        if weights is None:
-            weights = row_weights(targets, ignore_index, count)
-        grad_embeds = infonce_grad_embeds(weights, pred, embeds, targets, mask, lse, tau)
-    return losses, lse, status, grad_pred, grad_embeds
+        grad_embeds = infonce_grad_embeds(
+            row_weights(targets, ignore_index, count) if weights is None else weights, pred, embeds, targets, mask,
+            lse, tau,
+        )  # fmt: skip
+    loss = losses if reduction == "none" else losses.sum() if runs == 1 else losses.view(runs, -1).sum(1)
+    return loss, None, status, grad_pred, grad_embeds
+
+
+def infonce_backward(
+    weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred: bool, want_embeds: bool
+):  # fmt: skip
+    """``ALGORITHMS["small"]``'s backward (``reduction="none"``): the kernel again, with the upstream row
+    ``weights``."""
+    return infonce_forward(
+        pred, embeds, targets, mask, tau, ignore_index, "none", 1, want_pred, want_embeds, weights=weights
+    )[3:]
