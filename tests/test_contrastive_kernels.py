@@ -59,7 +59,8 @@ from icrl_kernels.contrastive import (
     select_actions_reference,
 )
 from icrl_kernels.contrastive import eager as contrastive_eager
-from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, select_actions_op
+from icrl_kernels.contrastive.algorithms import FUSED, INFONCE_ALGORITHMS
+from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, padded_mask, select_actions_op
 from icrl_kernels.modules.action_map import ActionMap
 from icrl_kernels.testing import (
     RMS_TOLERANCE,
@@ -167,18 +168,18 @@ SPLIT_SCENARIOS = [
 @pytest.mark.parametrize("case,dtype,target_programs,split", SPLIT_SCENARIOS)
 def test_grad_embeds_row_split_paths(monkeypatch, case: Case, dtype, target_programs, split, device):
     """Both layouts of the grad_embeds launch, with a spy proving which one ran."""
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels
 
     allocations: list = []
-    real_empty_output = kernels.empty_output
+    real_empty_output = fused_kernels.empty_output
 
     def spy(shape, *, dtype, device):
         allocations.append((tuple(shape), dtype))
         return real_empty_output(shape, dtype=dtype, device=device)
 
-    monkeypatch.setattr(kernels, "empty_output", spy)
+    monkeypatch.setattr(fused_kernels, "empty_output", spy)
     if target_programs is not None:
-        monkeypatch.setattr(kernels, "TARGET_PROGRAMS", target_programs)
+        monkeypatch.setattr(fused_kernels, "TARGET_PROGRAMS", target_programs)
     inputs = make_inputs(case, dtype, device, seed=31)
     check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction)
     groups = case.pred_shape[0] if case.per_sequence else 1
@@ -402,10 +403,11 @@ def test_float64_accepted_off_triton(backend):
 
 
 def _op_inputs(device: str, masked: bool):
-    """Canonical-layout inputs of the custom ops: pred [B, T, D], embeds [1, A, D], mask uint8 or None."""
+    """Inputs of the custom ops as the public functions pass them: pred [B, T, D], embeds [A, D], the canonical
+    uint8 mask [B, 1, A] or None."""
     gen = torch.Generator().manual_seed(13)
     pred = torch.randn(2, 7, 16, generator=gen).to(device)
-    embeds = torch.randn(1, 9, 16, generator=gen).to(device)
+    embeds = torch.randn(9, 16, generator=gen).to(device)
     mask = random_mask((2, 1, 9), gen) if masked else None
     allowed = expand_mask(mask, (2, 7, 9)).reshape(-1, 9).float()
     targets = torch.multinomial(allowed, 1, generator=gen).reshape(2, 7)
@@ -416,21 +418,37 @@ def _op_inputs(device: str, masked: bool):
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 def test_opcheck(backend, device):
+    """The ops of the fused kernels (Triton) and of the eager path (``impl``), and their backward op."""
+    impl = "fused" if backend == "triton" else "eager"
     pred, embeds, targets, mask = _op_inputs(device, masked=True)
-    args = (pred.requires_grad_(True), embeds.requires_grad_(True), targets, mask, 0.7, IGNORE, backend)
-    torch.library.opcheck(infonce_op, args)
-    _, lse = infonce_op(*args)
-    grad = torch.rand(targets.shape, device=device)
+    for reduction in ("none", "mean"):
+        args = (pred.requires_grad_(True), embeds.requires_grad_(True), targets, mask, 0.7, IGNORE, reduction, 1,
+                True, True, impl)  # fmt: skip
+        torch.library.opcheck(infonce_op, args)
+    lse = infonce_op(*args)[1]
+    grad = torch.rand((), device=device)
     for needs in ([True, True], [True, False]):
-        backward_args = (grad, pred.detach(), embeds.detach(), targets, mask, lse.detach(), 0.7, IGNORE, backend)
+        backward_args = (grad, pred.detach(), embeds.detach(), targets, mask, lse.detach(), None, None, 0.7, IGNORE,
+                         "mean", 1, impl)  # fmt: skip
         torch.library.opcheck(infonce_backward_op, (*backward_args, needs))
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
-    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), mask, 0.7, True, seed, backend))
-    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, backend))
+    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), mask, 0.7, True, seed, impl))
+    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, impl))
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_torch_compile_fullgraph_matches_eager(backend, device):
+COMPILE_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
+    pytest.param("triton", algorithm, device, id=f"{algorithm}-{device}")
+    for device in TRITON_DEVICES
+    for algorithm in INFONCE_ALGORITHMS
+]
+
+
+@pytest.mark.parametrize("backend,algorithm,device", COMPILE_PATHS)
+def test_torch_compile_fullgraph_matches_eager(backend, algorithm, device):
+    """A training step with both ops compiles without a graph break (``fullgraph=True``; the ops are
+    ``triton_op``s, or opaque custom ops under the interpreter) and gives the eager loss, gradients and actions;
+    the compiled graph still rejects bad targets (their check lives inside the op). Inductor for the fused
+    algorithm, ``aot_eager`` (the same graph capture, no code generation) for the others."""
     gen = torch.Generator().manual_seed(14)
     pred = torch.randn(3, 7, 16, generator=gen).to(device)
     embeds = torch.randn(5, 16, generator=gen).to(device)
@@ -438,23 +456,137 @@ def test_torch_compile_fullgraph_matches_eager(backend, device):
     targets[0, 0] = IGNORE
 
     def step(p, e, t):
-        return infonce_loss(p, e, t, tau=0.7, backend=backend) * 3.0
+        loss = infonce_loss(p, e, t, tau=0.7, backend=backend, algorithm=algorithm) * 3.0
+        return loss, select_actions(p.detach(), e.detach(), mode="argmax", backend=backend, algorithm=algorithm)
 
-    compiled = torch.compile(step, fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if algorithm in ("auto", FUSED) else "aot_eager")
     p1, e1 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
     p2, e2 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    out = compiled(p1, e1, targets)
+    out, actions = compiled(p1, e1, targets)
     out.backward()
-    expected = step(p2, e2, targets)
+    expected, expected_actions = step(p2, e2, targets)
     expected.backward()
     assert_close_rel(out.detach(), expected.detach(), name="compiled loss")
     assert_close_rel(p1.grad, p2.grad, name="compiled grad_pred")
     assert_close_rel(e1.grad, e2.grad, name="compiled grad_embeds")
-    # The target checks live inside the opaque op, so the compiled graph still rejects bad targets.
+    assert torch.equal(actions, expected_actions)
     bad = targets.clone()
     bad[1, 1] = 5
     with pytest.raises(ValueError, match="targets must lie in"):
         compiled(p1, e1, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="traced kernels run on CUDA only (not the interpreter)")
+@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
+def test_torch_compile_traces_into_the_kernels(algorithm):
+    """On CUDA the ops are ``triton_op``s: AOTAutograd's forward and backward graphs hold the Triton kernels
+    (``triton_kernel_wrapper_functional``) and the torch ops around them, not an opaque ``icrl`` op, and the
+    compiled step gives the eager values and gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from icrl_kernels._library import uses_triton_op
+
+    if not uses_triton_op():
+        pytest.skip("the ops are plain custom ops in this process (ICRL_TRITON_OP=0)")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    pred = torch.randn(4, 50, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    embeds = torch.randn(100, 64, generator=gen, device="cuda", dtype=torch.bfloat16) / 8
+    targets = torch.randint(0, 100, (4, 50), generator=gen, device="cuda")
+
+    def step(p, e, t):
+        actions = select_actions(p.detach(), e, mode="argmax", algorithm=algorithm)
+        return infonce_loss(p, e, t, tau=0.7, algorithm=algorithm), actions
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    loss, _ = compiled(pred, embeds, targets)
+    (grad,) = torch.autograd.grad(loss, pred)
+    expected_grad = torch.autograd.grad(step(pred, embeds, targets)[0], pred)[0]
+    assert_close_rel(grad, expected_grad, rms_tol=RMS_TOLERANCE[torch.bfloat16], name="compiled grad_pred")
+    for graph in graphs:
+        targets_called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+        assert any("triton_kernel_wrapper" in name for name in targets_called), targets_called
+        assert not any(name.startswith("icrl.") for name in targets_called), targets_called
+
+
+_TRACE_INTO_KERNELS = """
+import json
+
+import torch
+import triton
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+import icrl_kernels as ik
+from icrl_kernels import _backend, _library
+
+assert _library.uses_triton_op(True), "no triton_op registration in this process"
+_backend.triton_runs_on = lambda device: True  # CPU tensors take the Triton backend: traced, never run
+
+
+class OfflineDriver:  # the target torch's trace lowers each kernel for (to find the arguments it writes)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(OfflineDriver())
+targets, embeds = torch.randint(0, 7, (2, 5)), torch.randn(7, 16)
+
+
+def stand_in(gm, example_inputs):  # zeros of the graph's output shapes: the traced kernels need a GPU to run
+    outputs = [getattr(node, "meta", {}).get("val") for node in gm.graph.output_node().args[0]]
+    graphs.append(gm)
+    return make_boxed_func(lambda *args: [torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor) else o
+                                          for o in outputs])
+
+
+for algorithm in ("small", "fused", "row_chunks", "action_chunks"):
+    calls = {
+        "infonce_loss": lambda p: ik.infonce_loss(p, embeds, targets, tau=0.7, backend="triton", algorithm=algorithm),
+        "select_actions": lambda p: ik.select_actions(p, embeds, backend="triton", algorithm=algorithm),
+    }
+    for op, call in calls.items():
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend=aot_autograd(fw_compiler=stand_in, bw_compiler=stand_in))
+        out = compiled(torch.randn(2, 5, 16, requires_grad=op == "infonce_loss"))
+        if out.requires_grad:
+            out.float().sum().backward()
+        names = [[str(node.target) for node in gm.graph.nodes if node.op == "call_function"] for gm in graphs]
+        kernels = [sum("triton_kernel_wrapper" in name for name in graph) for graph in names]
+        icrl_ops = [name for graph in names for name in graph if name.startswith("icrl.")]
+        print(json.dumps({"case": f"{op}-{algorithm}", "kernels": kernels, "icrl_ops": icrl_ops}))
+"""
+
+
+@pytest.mark.slow  # a fresh Python compiles eight functions (about 20 s)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test compiles and runs the ops for real")
+def test_traceable_ops_compile_into_their_kernels():
+    """Without the interpreter the ops are ``triton_op``s: ``torch.compile(fullgraph=True)`` of each algorithm of
+    both public functions has no graph break and traces through the op into its Triton kernels: the forward
+    graph (and the loss's backward graph) hold kernels and no ``icrl`` op (sampling: the seed drawn in the graph
+    too). Traced, not run (no GPU here); the compiled values are checked under the interpreter above."""
+    from benchmarks.kernel_tools import run_offline_compile
+
+    reports = {report["case"]: report for report in run_offline_compile(_TRACE_INTO_KERNELS)}
+    assert set(reports) == {f"{op}-{algorithm}" for op in ("infonce_loss", "select_actions")
+                            for algorithm in INFONCE_ALGORITHMS}  # fmt: skip
+    for case, report in reports.items():
+        assert not report["icrl_ops"], report
+        graphs = report["kernels"]
+        assert len(graphs) == (2 if case.startswith("infonce") else 1) and graphs[0] >= 1, report
+        if case == "infonce_loss-fused":  # the backward kernels (the small and chunked ones scale in the backward)
+            assert graphs[1] >= 1, report
 
 
 def test_torch_compile_fullgraph_with_mask():
@@ -895,6 +1027,9 @@ COMMON_ERRORS = [
     _bad("mask-shape-BTA", ValueError, "mask must have shape", mask=torch.ones(2, 4, 4, dtype=torch.bool)),
     _bad("mask-all-false-row", ValueError, "mask leaves a row", mask=torch.tensor([[True] * 4, [False] * 4])),
     _bad("backend", ValueError, "backend must be one of", backend="cuda"),
+    _bad("algorithm", ValueError, "algorithm must be one of", algorithm="tiled"),
+    _bad("algorithm-off-triton", ValueError, "algorithm='fused' runs on the Triton backend", algorithm="fused",
+         backend="eager"),
 ]  # fmt: skip
 
 LOSS_ERRORS = [
@@ -926,6 +1061,33 @@ def test_select_bad_input_names_the_argument(transform, error, match):
         select_actions(args.pop("pred"), args.pop("action_embeds"), **args)
 
 
+def test_checks_run_once_per_signature(monkeypatch):
+    """A repeated argument signature skips the argument checks (one lookup); a change of any shape, dtype or
+    device, or of an option's value or type, is a new signature, checked in full. Bad input raises at every
+    call, also right after the same call with good input (``tau=True`` after ``tau=1.0``: equal, not the same)."""
+    from icrl_kernels.contrastive import checks
+
+    calls = []
+    real = checks.check_pred_and_map
+    monkeypatch.setattr(checks, "check_pred_and_map", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(checks, "_PLANS", {})
+    args = _base_args()
+    for _ in range(3):
+        infonce_loss(**args, backend="eager")
+        select_actions(args["pred"], args["action_embeds"], mode="argmax", backend="eager")
+    assert len(calls) == 2, "one check per op and signature"
+    infonce_loss(args["pred"][:1], args["action_embeds"], args["targets"][:1], backend="eager")
+    infonce_loss(**args, tau=1, backend="eager")  # an int: another type than the float 1.0
+    assert len(calls) == 4
+    for _ in range(2):
+        with pytest.raises(TypeError, match="tau must be a real number"):
+            infonce_loss(**args, tau=True, backend="eager")
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            infonce_loss(**args, reduction="avg", backend="eager")
+        with pytest.raises(TypeError, match="pred must be a torch.Tensor"):
+            infonce_loss(args["pred"].tolist(), args["action_embeds"], args["targets"], backend="eager")
+
+
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
 def test_bad_target_values(backend, device):
     """Target values are checked on every backend (inside the op for eager/triton)."""
@@ -953,14 +1115,13 @@ def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
     """The fused forward reports the value checks per row from its own loads (no torch ops of their own):
     its status, row by row, against the conditions the eager path checks with torch ops."""
     from icrl_kernels.contrastive import checks
-    from icrl_kernels.contrastive.function import _padded_mask
-    from icrl_kernels.contrastive.kernels import infonce_forward_triton
+    from icrl_kernels.contrastive.fused_kernels import infonce_forward
 
     device = TRITON_DEVICES[0]
     gen = torch.Generator().manual_seed(num_actions)
     batch, steps, dim, ignore = 3, 13, 16, 5  # an ignore_index that is also an action id
     pred = torch.randn(batch, steps, dim, generator=gen)
-    embeds = torch.randn(1, num_actions, dim, generator=gen)
+    embeds = torch.randn(num_actions, dim, generator=gen)
     targets = torch.randint(-2, num_actions + 2, (batch, steps), generator=gen)
     targets[torch.rand(batch, steps, generator=gen) < 0.2] = ignore
     mask = torch.rand(batch, steps, num_actions, generator=gen) < 0.3
@@ -980,9 +1141,9 @@ def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
     expected[~mask.any(-1)] = checks.ROW_NO_ACTION
     assert {int(v) for v in expected.unique()} == ({0, 1, 2, 3} if masked else {0, 2}), "every status must occur"
 
-    mask3 = _padded_mask(mask.to(torch.uint8)).to(device) if masked else None
-    losses, lse, status = infonce_forward_triton(pred.to(device), embeds.to(device), targets.to(device), mask3,
-                                                 0.5, ignore)  # fmt: skip
+    mask3 = padded_mask(mask.to(torch.uint8)).to(device) if masked else None
+    losses, lse, status, _, _ = infonce_forward(pred.to(device), embeds.to(device), targets.to(device), mask3, 0.5,
+                                                ignore, "none", 1, False, False)  # fmt: skip
     assert torch.equal(status.cpu(), expected)
     fine = expected == 0
     assert torch.isfinite(losses.cpu()[fine]).all() and torch.isfinite(lse.cpu()[fine]).all()
@@ -1019,7 +1180,6 @@ def test_select_status_flags_each_row_as_the_checks_do(backend, device, num_acti
     actions is fine. Row by row against those conditions computed with torch ops."""
     from icrl_kernels.contrastive import checks
     from icrl_kernels.contrastive.eager import select_actions_eager
-    from icrl_kernels.contrastive.function import _padded_mask
 
     gen = torch.Generator().manual_seed(num_actions)
     batch, steps, dim = 3, 11, 16
@@ -1043,10 +1203,10 @@ def test_select_status_flags_each_row_as_the_checks_do(backend, device, num_acti
 
     seed = torch.tensor([7], device=device)
     if backend == "triton":
-        from icrl_kernels.contrastive.kernels import select_actions_triton
+        from icrl_kernels.contrastive.fused_kernels import select
 
-        mask3 = _padded_mask(mask.to(torch.uint8)).to(device)
-        actions, status = select_actions_triton(pred.to(device), embeds.to(device), mask3, 0.5, mode == "sample", seed)
+        mask3 = padded_mask(mask.to(torch.uint8)).to(device)
+        actions, status = select(pred.to(device), embeds[0].to(device), mask3, 0.5, mode == "sample", seed, 33)
     else:
         actions, status = select_actions_eager(pred, embeds, mask.to(torch.uint8), 0.5, mode == "sample", seed)
     assert torch.equal(status.cpu(), expected)
@@ -1109,12 +1269,10 @@ def _large_tiles():
     interpreter's cost is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's
     logits (test_contrastive_algorithms.py checks the other algorithms)."""
     from icrl_kernels._triton import autotune_configs
-    from icrl_kernels.contrastive import kernels
-    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
+    from icrl_kernels.contrastive import fused_kernels as kernels
     from icrl_kernels.testing import forced_config
 
     stack = contextlib.ExitStack()
-    stack.enter_context(forced_algorithm(FUSED))
     for kernel, rows in ((kernels._infonce_forward_kernel, 128), (kernels._infonce_grad_pred_kernel, 64),
                          (kernels._infonce_grad_embeds_kernel, 64)):  # fmt: skip
         config = next(c for c in autotune_configs(kernel) if c.kwargs["BLOCK_N"] == rows and c.kwargs["BLOCK_D"] == 64)
@@ -1133,6 +1291,7 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
     fp32, truth = check_fp16_gradients(
         pred, embeds, targets, weights, backend=backend, tau=tau, reduction="none",
         context=_large_tiles() if backend == "triton" else contextlib.nullcontext(),
+        algorithm=FUSED if backend == "triton" else "auto",
     )  # fmt: skip
     # Power: scaling by w / tau before the fp16 cast (the old kernels) misses the bound on grad_pred.
     p64, e64 = pred.double(), embeds.double()
@@ -1147,16 +1306,16 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
 def _launch_spy(monkeypatch):
     """Record ``(kernel name, grid function)`` of every launch of the contrastive kernels."""
     from icrl_kernels._triton import kernel_name
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels
 
     launches: list = []
-    real_launch = kernels.launch
+    real_launch = fused_kernels.launch
 
     def spy(kernel, grid):
         launches.append((kernel_name(kernel), grid))
         return real_launch(kernel, grid)
 
-    monkeypatch.setattr(kernels, "launch", spy)
+    monkeypatch.setattr(fused_kernels, "launch", spy)
     return launches
 
 
@@ -1178,13 +1337,12 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
     config; wider outputs fall back to column blocks. Checked on the launch grids (evaluated for every
     config), with a parity check of the run itself."""
     from icrl_kernels._triton import autotune_configs
-    from icrl_kernels.contrastive import kernels
-    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
+    from icrl_kernels.contrastive import fused_kernels as kernels
 
     launches = _launch_spy(monkeypatch)
     case = Case("width", (7, dim), num_actions, False, None, 0.0, 1.0, "sum")
-    with forced_algorithm(FUSED):  # A = 9 would take the one-kernel algorithm
-        check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
+    inputs = make_inputs(case, dtype, device, seed=dim)  # A = 9 would take the one-kernel algorithm: fused asked
+    check_infonce_parity(inputs, "triton", tau=1.0, reduction="sum", algorithm=FUSED)
     grids = {name: grid for name, grid in launches}
     assert set(grids) == {"infonce_forward", "infonce_grad_pred", "infonce_grad_embeds"}
     for name, index in (("infonce_grad_pred", 0), ("infonce_grad_embeds", 1)):
@@ -1195,7 +1353,7 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
 
 
 def test_autotune_keys_bucket_the_rows():
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels as kernels
 
     for kernel in (kernels._infonce_forward_kernel, kernels._infonce_grad_pred_kernel,
                    kernels._infonce_grad_embeds_kernel, kernels._select_actions_kernel):  # fmt: skip
@@ -1204,20 +1362,18 @@ def test_autotune_keys_bucket_the_rows():
 
 def test_padded_mask_layout():
     """Misaligned masks (A = 125, strided) get one zero-padded copy, 16-column aligned; aligned ones none."""
-    from icrl_kernels.contrastive.function import _padded_mask
-
     gen = torch.Generator().manual_seed(3)
     for shape in ((1, 1, 125), (3, 1, 125), (3, 4, 125), (3, 4, 7)):
         mask = random_mask(shape, gen).view(torch.uint8)
-        padded = _padded_mask(mask)
+        padded = padded_mask(mask)
         width = -(-shape[-1] // 16) * 16
         assert padded.shape == shape[:-1] + (width,) and padded.stride(-1) == 1
         assert torch.equal(padded[..., : shape[-1]], mask) and not padded[..., shape[-1] :].any()
     aligned = random_mask((3, 4, 128), gen).view(torch.uint8)
-    assert _padded_mask(aligned) is aligned
+    assert padded_mask(aligned) is aligned
     strided = random_mask((3, 128, 4), gen).view(torch.uint8).transpose(1, 2)  # [3, 4, 128], stride 1 on T
-    assert _padded_mask(strided).is_contiguous() and torch.equal(_padded_mask(strided), strided)
-    assert _padded_mask(None) is None
+    assert padded_mask(strided).is_contiguous() and torch.equal(padded_mask(strided), strided)
+    assert padded_mask(None) is None
 
 
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
@@ -1285,7 +1441,7 @@ _OFFLINE_COMPILE = """
 import itertools
 from benchmarks.kernel_tools import compile_offline, config_jobs
 from icrl_kernels.contrastive import chunked_kernels as ck
-from icrl_kernels.contrastive import kernels as k
+from icrl_kernels.contrastive import fused_kernels as k
 from icrl_kernels.contrastive import small_kernels as sk
 
 # benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
@@ -1319,6 +1475,7 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         "count_ptr": "*i64", "logits_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "hit_ptr": "*fp32",
         "actions_ptr": "*i32", "targets_ok_ptr": "*i32", "best_ptr": "*fp32", "choice_ptr": "*i64",
         "ROW0": 2048, "R": 2048, "A0": 0, "C": A, "stride_lr": A, "stride_gr": A if dtype == "fp32" else 2 * A,
+        "SEED_ROWS": ROWS, "RUN_ROWS": ROWS,  # one run
     }
     flags = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "DO_FULL": k._do_full(D)}
     info = {"A": A, "D": D, "mask": masked, "dtype": dtype}
@@ -1332,8 +1489,10 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
                             {**flags, "BLOCK_A": k._block_a(A, half)}, **info)
     if A <= 128:  # the small algorithm: one action tile, the gradient for pred in the same kernel (any width)
-        jobs += config_jobs(sk._infonce_small_kernel, signature,
-                            {**flags, "BLOCK_A": 128, "WRITE_GRAD": True, "ROW_WEIGHTS": sk.WEIGHT_MEAN}, **info)
+        # The mean counted by the kernel (a small call), and counted by torch with the lse the map's gradient reads.
+        for weights, store_lse in ((sk.WEIGHT_MEAN_COUNTED, False), (sk.WEIGHT_MEAN, True)):
+            jobs += config_jobs(sk._infonce_small_kernel, signature, {**flags, "BLOCK_A": 128, "WRITE_GRAD": True,
+                                "ROW_WEIGHTS": weights, "STORE_LSE": store_lse}, **info, weights=weights)
     elif D == 512:  # the chunk kernels read logits, not pred: the width does not matter
         for stats, first, last, grad in ((True, True, True, True), (True, True, False, False),
                                          (True, False, True, False), (False, False, False, True)):

@@ -487,8 +487,8 @@ def test_triton_host_overhead_measure_counts_launches_and_restores_them():
 LAUNCHES_PER_CALL = {
     "ngram_attention": (2, 2),  # the tiled kernel; no zero gradient made for its match counts
     "ngram_attention (sort path)": (5, 4),
-    "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
-    "select_actions (no grad)": (1, 1),
+    "infonce_loss": (1, 4),  # A = 8: the small algorithm, its kernel counts the mean (contrastive/small_kernels.py)
+    "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
     # Only the harness's two ops: the unused hidden output's gradient is never materialised (7 before).
     "inject_layer_norm": (2, 2),
