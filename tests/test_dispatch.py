@@ -9,6 +9,7 @@ operator. Both paths run the same Python implementations, so outputs and gradien
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -130,16 +131,19 @@ def test_fast_path_matches_dispatcher_exactly(impl, case):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_side_outputs_match(impl):
-    """The op's non-differentiable side outputs (inject_layer_norm's mean/rstd) behave the same on both paths."""
-    from icrl_kernels.looped.function import inject_layer_norm_op
+    """An op's non-differentiable side outputs (infonce_loss's log-sum-exps and the gradients its forward
+    computed) behave the same on both paths."""
+    from icrl_kernels.contrastive.algorithms import EAGER, FUSED
+    from icrl_kernels.contrastive.function import infonce_op
 
     g = _gen(3)
-    y, p = (torch.randn(2, 3, 8, generator=g, requires_grad=True) for _ in range(2))
-    w, b = torch.ones(8, requires_grad=True), torch.zeros(8)
+    pred, embeds = torch.randn(2, 5, 8, generator=g, requires_grad=True), torch.randn(7, 8, generator=g)
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    algorithm = EAGER if impl == "eager" else FUSED
     results = []
     for fast in (True, False):
         with fast_dispatch(fast):
-            results.append(inject_layer_norm_op(y, p, None, w, b, 1e-5, impl))
+            results.append(infonce_op(pred, embeds, targets, None, 1.0, -100, "mean", 1, True, False, algorithm))
     for fast, slow in zip(*results):
         assert fast.requires_grad == slow.requires_grad and torch.equal(fast, slow)
 
@@ -168,16 +172,16 @@ def test_needs_grad_skipping_on_fast_path(impl, wanted, monkeypatch):
 
         original = kernels.inject_layer_norm_backward_triton
 
-        def spy(*args, **kwargs):
-            seen.append(tuple(kwargs[k] for k in ("want_y", "want_prompt", "want_pos", "want_weight", "want_bias")))
-            return original(*args, **kwargs)
+        def spy(*args):
+            seen.append(args[5])  # wants: d_x (y and prompt), d_pos, d_weight, d_bias
+            return original(*args)
 
         monkeypatch.setattr(kernels, "inject_layer_norm_backward_triton", spy)
     else:
         original = looped.inject_layer_norm_backward_eager
 
         def spy(*args):
-            seen.append(args[6:9])  # want_weight, want_bias, want_pos
+            seen.append(args[5:8])  # want_weight, want_bias, want_pos
             return original(*args)
 
         monkeypatch.setattr(looped, "inject_layer_norm_backward_eager", spy)
@@ -190,7 +194,7 @@ def test_needs_grad_skipping_on_fast_path(impl, wanted, monkeypatch):
     assert type(normed.grad_fn).__name__ == "inject_layer_norm_fastBackward"
     flags = [i in wanted for i in range(5)]
     if impl == "triton":
-        assert seen == [tuple(flags)]
+        assert seen == [(flags[0] or flags[1], flags[2], flags[3], flags[4])]
     else:
         assert seen == [(flags[3], flags[4], flags[2])]
     for index, tensor in enumerate(inputs):
@@ -490,8 +494,9 @@ LAUNCHES_PER_CALL = {
     "infonce_loss": (1, 4),  # A = 8: the small algorithm, its kernel counts the mean (contrastive/small_kernels.py)
     "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
-    # Only the harness's two ops: the unused hidden output's gradient is never materialised (7 before).
-    "inject_layer_norm": (2, 2),
+    # The harness's two ops and autograd's copy of the one gradient of y and prompt into the second leaf's .grad
+    # (as for y + prompt; the kernel writes it once); the unused hidden output's gradient is never materialised.
+    "inject_layer_norm": (2, 3),
     # Forward, backward preprocess, dk/dv, dq; the harness's two ops (lse's zero gradient no longer made).
     "gated_attention": (4, 2),
     "gated_attention (gated, smeared)": (6, 2),  # + smeared keys' backward and its alpha-gradient kernel
@@ -559,3 +564,17 @@ def test_host_size_arithmetic_equals_tritons():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 127):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.parametrize("value", [None, "1", "0", "", "true", "on", "no", " 1 ", "TRUE", "Off", "2"])
+def test_interpreter_flag_follows_os_environ(monkeypatch, value):
+    """``triton_interpreter_enabled`` (read on every CPU call, from os.environ's own dict) sees every write
+    through ``os.environ`` and parses like ``os.environ.get`` would."""
+    from icrl_kernels._backend import triton_interpreter_enabled
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    expected = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    assert triton_interpreter_enabled() == expected
