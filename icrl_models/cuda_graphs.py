@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -38,8 +38,15 @@ from torch import nn
 from icrl_kernels import LoopedBlock, device_side_value_checks
 from icrl_kernels.validation import check_device
 
-if TYPE_CHECKING:
-    from .nonfinite import NonFiniteGuard
+
+class StepWatcher(Protocol):
+    """What :class:`StepRunner` needs of a watcher of every step (:class:`~icrl_models.nonfinite.NonFiniteGuard`,
+    which imports this module, not the other way round): the step wrapped, and the device tensors that the
+    wrapped step updates in place (restored after a capture's warm-up steps)."""
+
+    def watch(self, step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]: ...
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
 
 
 #: ``--cuda-graph`` of every trainer: ``"auto"`` (the default) graphs the training steps on CUDA devices where
@@ -359,7 +366,7 @@ class StepRunner:
         cuda_graph: bool = False,
         fallback: bool = False,
         generators: Sequence[torch.Generator] = (),
-        guard: NonFiniteGuard | None = None,
+        guard: StepWatcher | None = None,
     ) -> None:
         self.step = guard.watch(step) if guard is not None else step
         self.model, self.optimizer, self.device = model, optimizer, check_device(device)
