@@ -52,6 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointError, load_checkpoint
@@ -213,6 +214,16 @@ class _Call(nn.Module):
         return function(self.model, *args)
 
 
+def _without_tensors(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter and buffer slot emptied (set to None, in place): the structure and code of
+    the architecture, holding no values (``functional_call`` supplies them, per run)."""
+    for module in model.modules():
+        for slots in (module._parameters, module._buffers):
+            for name in slots:
+                slots[name] = None
+    return model
+
+
 class StackedRuns(nn.Module):
     """K models of one architecture as one module, computing with the models' own code.
 
@@ -220,7 +231,7 @@ class StackedRuns(nn.Module):
     so per-run gradient norms and AdamW are a few whole-tensor ops); its buffers are stacked ``[K, ...]``, and
     each ``nn.Dropout`` becomes a :class:`RunDropout` with the run's own rate (its model's dropout ``p``), or
     the identity where every run's rate is 0. :meth:`map` runs ``function(model, *args)`` for all runs at
-    once: ``torch.func.vmap`` over ``functional_call`` of one template model.
+    once: ``torch.func.vmap`` over ``functional_call`` of :attr:`template`, the architecture without values.
 
     Args:
         models: the runs' models, all of one class with equal parameter names and shapes; their current values
@@ -258,9 +269,9 @@ class StackedRuns(nn.Module):
                 stacked = torch.stack([model.get_buffer(name).detach().clone() for model in models])
             self.register_buffer(self._buffer_attribute(name), stacked, persistent=True)
             self._buffer_names.append(name)
-        # Kept out of the module tree: its own tensors are never used by map() (functional_call supplies every
-        # parameter and buffer), but decoding states are built from it, on the runs' device (_apply).
-        self._call = [_Call(template)]
+        # A submodule like any other: it holds no tensor (the runs' values come with every map() call), so it
+        # adds nothing to parameters(), state_dict() or a move between devices.
+        self.call = _Call(_without_tensors(template))
 
     @staticmethod
     def _buffer_attribute(name: str) -> str:
@@ -268,16 +279,8 @@ class StackedRuns(nn.Module):
 
     @property
     def template(self) -> nn.Module:
-        """The model code the runs share (its own parameter values are run 0's starting values, not used)."""
-        return self._call[0].model
-
-    def _apply(self, fn, *args, **kwargs):
-        self._call[0]._apply(fn, *args, **kwargs)
-        return super()._apply(fn, *args, **kwargs)
-
-    def train(self, mode: bool = True) -> StackedRuns:
-        self._call[0].train(mode)
-        return super().train(mode)
+        """The model code the runs share: the architecture, without parameter or buffer values."""
+        return self.call.model
 
     def parameter_views(self) -> dict[str, torch.Tensor]:
         """Each parameter of every run, ``name -> [K, *shape]``: views of :attr:`flat` (gradients flow into it)."""
@@ -290,13 +293,13 @@ class StackedRuns(nn.Module):
 
     def map(self, function: Callable, *args, randomness: str = "different"):
         """``function(model, *row_k_of_args)`` for every run ``k`` at once, its outputs stacked along a new
-        leading run dimension. ``args``: tensors (or lists / tuples / dicts of tensors) with the runs along
-        dimension 0; constants go in ``function``'s closure. ``randomness``: as ``torch.func.vmap``'s (each run
-        draws its own dropout masks by default)."""
+        leading run dimension. ``args``: tensors, or pytrees of them (lists, tuples, dicts, decoding states),
+        with the runs along dimension 0; constants go in ``function``'s closure. ``randomness``: as
+        ``torch.func.vmap``'s (each run draws its own dropout masks by default)."""
         named = {f"model.{name}": value for name, value in {**self.parameter_views(), **self.buffer_views()}.items()}
 
         def one(tensors, *row):
-            return torch.func.functional_call(self._call[0], tensors, (function, *row))
+            return torch.func.functional_call(self.call, tensors, (function, *row))
 
         return torch.func.vmap(one, randomness=randomness)(named, *args)
 
@@ -305,53 +308,24 @@ class StackedRuns(nn.Module):
         values = {**self.parameter_views(), **self.buffer_views()}
         return {name: values[name][run].detach().clone() for name in self._state_names}
 
-    def init_decode_state(self, batch: int, max_steps: int):
-        """The template's incremental-decoding state (``init_decode_state``) with every tensor stacked ``K``
-        times, for :meth:`decode_step`."""
-        state = self.template.init_decode_state(batch, max_steps)
-        for owner, name in _tensor_slots(state):
-            value = getattr(owner, name)
-            setattr(owner, name, value.expand(self.count, *value.shape).clone())
-        return state
+    @torch.no_grad()
+    def init_decode_state(self, batch: int, max_steps: int, **kwargs):
+        """Every run's incremental-decoding state (its model's ``init_decode_state(batch, max_steps, **kwargs)``):
+        one state whose tensors hold the runs along dimension 0, for :meth:`decode_step`."""
+        state = self.map(lambda model: model.init_decode_state(batch, max_steps, **kwargs), randomness="error")
+        # A tensor that no run's values entered comes back broadcast: give each run its own copy to write into.
+        return pytree.tree_map(lambda tensor: tensor.contiguous(), state)
 
     @torch.no_grad()
-    def decode_step(self, state, states_t, prev_actions_t, prev_rewards_t) -> torch.Tensor:
-        """Every run's ``model.step`` at once: ``[K, B]`` inputs -> ``[K, B, A]`` logits, updating ``state``
+    def decode_step(self, state, states_t, prev_actions_t, prev_rewards_t):
+        """Every run's ``model.step`` at once: ``[K, B]`` inputs -> (``[K, B, A]`` logits, the updated ``state``)
         (from :meth:`init_decode_state`; its tensors hold the runs along dimension 0)."""
-        slots = _tensor_slots(state)
 
-        def one(model, tensors, states, prev_actions, prev_rewards):
-            # The state object sees run k's rows while the step runs (in-place writes reach the stacked tensors;
-            # replaced tensors come back as outputs).
-            for (owner, name), value in zip(slots, tensors):
-                setattr(owner, name, value)
-            logits = model.step(state, states, prev_actions, prev_rewards)
-            return logits, [getattr(owner, name) for owner, name in slots]
+        def one(model, run_state, states, prev_actions, prev_rewards):
+            logits = model.step(run_state, states, prev_actions, prev_rewards)
+            return logits, run_state
 
-        stacked = [getattr(owner, name) for owner, name in slots]
-        logits, updated = self.map(one, stacked, states_t, prev_actions_t, prev_rewards_t, randomness="error")
-        for (owner, name), value in zip(slots, updated):
-            setattr(owner, name, value)
-        return logits
-
-
-def _tensor_slots(state) -> list[tuple[object, str]]:
-    """``(object, attribute)`` of every tensor held by a decoding state and the objects it holds (lists of
-    layer states: KV caches, n-gram tables), in a fixed order."""
-    slots, seen, pending = [], set(), [state]
-    while pending:
-        owner = pending.pop(0)
-        if id(owner) in seen:
-            continue
-        seen.add(id(owner))
-        for name, value in vars(owner).items():
-            if isinstance(value, torch.Tensor):
-                slots.append((owner, name))
-            elif isinstance(value, (list, tuple)):
-                pending.extend(item for item in value if hasattr(item, "__dict__"))
-            elif hasattr(value, "__dict__") and not isinstance(value, (torch.device, torch.dtype, type)):
-                pending.append(value)
-    return slots
+        return self.map(one, state, states_t, prev_actions_t, prev_rewards_t, randomness="error")
 
 
 class RunAdamW(torch.optim.Optimizer):
@@ -751,7 +725,8 @@ def evaluate_runs(
     ]
 
     def act(states, prev_actions, prev_rewards, active):
-        logits = stacked.decode_step(state, states, prev_actions, prev_rewards)
+        nonlocal state
+        logits, state = stacked.decode_step(state, states, prev_actions, prev_rewards)
         actions = torch.zeros(logits.shape[:2], dtype=torch.long, device=device)
         for run, size in enumerate(sizes):
             if active[run]:

@@ -424,6 +424,31 @@ def test_dropout_rates_are_each_runs_own(tmp_path):
     assert RunDropout(0.3).rate.item() == pytest.approx(0.3)
 
 
+def test_stacked_runs_hold_every_value_in_the_open_and_decode_with_pytree_states(tmp_path):
+    """The template is a registered submodule holding no tensor (nothing hidden from ``to()``, ``state_dict()``
+    or the guard); decoding states are pytrees of tensors that ``vmap`` takes as they are: one step of all runs
+    equals each run's own model stepping its own state."""
+    runs = _runs(tmp_path, "ngram_ad", "pytree", steps=1)
+    trainer = batched.BatchedTrainer(check_batch(runs))
+    models = [copy.deepcopy(run.model) for run in trainer.runs]
+    stacked = StackedRuns([run.model for run in trainer.runs]).eval()
+    assert dict(stacked.named_modules())["call.model"] is stacked.template
+    assert list(stacked.template.parameters()) == [] and list(stacked.template.buffers()) == []
+    assert set(stacked.state_dict()) == {"flat"} | {n for n in stacked.state_dict() if n.startswith("stacked__")}
+    state = stacked.init_decode_state(2, 8)
+    leaves, _ = torch.utils._pytree.tree_flatten(state)
+    assert leaves and all(isinstance(leaf, torch.Tensor) and leaf.shape[0] == 3 for leaf in leaves)
+    singles = [model.eval().init_decode_state(2, 8) for model in models]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        inputs = (torch.randint(0, 5, (3, 2), generator=g), torch.randint(-1, 4, (3, 2), generator=g),
+                  torch.rand(3, 2, generator=g))  # fmt: skip
+        logits, state = stacked.decode_step(state, *inputs)
+        for k, (model, single) in enumerate(zip(models, singles)):
+            want = model.step(single, *(x[k] for x in inputs))
+            torch.testing.assert_close(logits[k], want, rtol=1e-5, atol=1e-6)
+
+
 # -- one CUDA graph ----------------------------------------------------------------------------------------------
 def _step_inputs(tmp_path, kind: str = "ngram_ad"):
     runs = _runs(tmp_path, kind, "step", steps=3)
