@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import icrl_models.lifecycle as lifecycle
 import icrl_models.train as train_module
 from icrl_models.checkpoint import load_checkpoint
 from icrl_models.data import load_histories
@@ -221,14 +222,14 @@ def test_icrl_train_stop_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, c
     """Diverging at step 6 with checkpoints every 4 steps: the run stops at the next check (step 8, before its
     save), naming step 6 and the checkpoint of step 4, which is the one written at step 4, byte for byte."""
     saved = {}
-    original_save = train_module.save_checkpoint
+    original_save = lifecycle.save_checkpoint
 
     def recording_save(payload, path):
         result = original_save(payload, path)
         saved[payload["step"]] = Path(path).read_bytes()
         return result
 
-    monkeypatch.setattr(train_module, "save_checkpoint", recording_save)
+    monkeypatch.setattr(lifecycle, "save_checkpoint", recording_save)
     _poison_train_step_at(monkeypatch, train_module, "train_step", at=6)
     out = tmp_path / "run"
     argv = [*TINY_TRAIN, "--steps", "12", "--checkpoint-every", "4", "--log-every", "4", "--out-dir", str(out)]
