@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .batched import RunAdamW, StackedRuns, batched_train_step
+from .batched import RunAdamW, StackedRuns, auto_batch_runs, batched_train_step
 from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
 from .cuda_graphs import (
     StepRunner,
@@ -478,8 +479,8 @@ def open_runs(runs: Sequence[TrainingRun]) -> list[Any]:
             run.resumed.restore_optimizer(run.optimizer)
             run.torch_state = run.resumed.torch_state()
             run.restore(run.resumed)
-        if run.is_main:
-            trim_metrics(run.folder.metrics, run.step)
+        if run.is_main:  # a fresh run logs from scratch: rows without a checkpoint come from a killed attempt
+            trim_metrics(run.folder.metrics, run.step if run.resumed is not None else -1)
         results.append(run.finished())
     return results
 
@@ -571,6 +572,26 @@ class _Stacked:
         return self.stacked.run_state_dict(index), self.optimizer.run_state_dict(index, learning_rate), rng
 
 
+def measure_batch_runs(
+    make_runs: Callable[[int], list[TrainingRun]], device: torch.device, *, runs: int, share: int = 1
+) -> int:
+    """``--batch-runs auto`` of a trainer: :func:`icrl_models.batched.auto_batch_runs` timing real steps (drawing
+    the runs' batches included) of ``make_runs(K)``, ``K`` fresh runs of the sweep's shape (e.g. on a small dataset
+    in a temporary folder), stepped as the lifecycle steps them: one run alone, or ``K`` as one batch."""
+
+    def make_step(count: int) -> Callable[[], None]:
+        probe = make_runs(count)
+        open_runs(probe)
+        engine = _Stacked(probe) if count > 1 else _Single(probe[0])
+        runner = make_step_runner(engine.step, engine.model, engine.optimizer, device, cuda_graph=probe[0].cuda_graph,
+                                  nonfinite="stop", runs=count if count > 1 else None)  # fmt: skip
+        rates = [run.learning_rate(0) for run in probe]
+        engine.model.train()
+        return lambda: runner(engine.batch(0, rates), *probe[0].static(0))
+
+    return auto_batch_runs(make_step, device, runs=runs, share=share, log=lambda line: print(line, file=sys.stderr))
+
+
 def _restore_cuda_generator(run: TrainingRun) -> None:
     """The CUDA generator's state from the run's checkpoint, on a CUDA device (where Headless-AD draws its maps
     and dropout its masks)."""
@@ -623,16 +644,16 @@ def _train_group(runs: list[TrainingRun], batched: bool) -> list[Any]:
                 _log(runs[index], progress[index], step, learning_rates[index], guard, index, start_time)
             if not batched and progress[0].last_loss is not None:
                 bar.set_postfix(loss=f"{progress[0].last_loss:.3f}")
+            if evaluating:  # before the checkpoint of the same step: a checkpoint's rows are all on disk
+                models = [engine.run_model(i) for i in evaluating]
+                for index, fields in zip(evaluating, family.evaluate_runs([runs[i] for i in evaluating], models, step)):
+                    _write(runs[index], progress[index], {"step": step, **fields})
+                engine.model.train()
             for index in saving:
                 if progress[index].metrics is not None:
                     progress[index].metrics.sync()  # the rows up to this step are on disk before the checkpoint
                 _save(runs[index], engine, index, step, learning_rates[index])
                 guard.saved(runs[index].folder.checkpoint, step, run=index if batched else None)
-            if evaluating:
-                models = [engine.run_model(i) for i in evaluating]
-                for index, fields in zip(evaluating, family.evaluate_runs([runs[i] for i in evaluating], models, step)):
-                    _write(runs[index], progress[index], {"step": step, **fields})
-                engine.model.train()
         bar.close()
         guard.check()
         for run in runs:
@@ -677,7 +698,7 @@ def _save(run: TrainingRun, engine, index: int, step: int, learning_rate: float)
 
 
 __all__ = [
-    "Resumed", "RunFolder", "TrainingRun", "default_autocast", "final_evaluation", "make_step_runner", "metric_row",
-    "open_runs", "progress_bar", "read_metrics", "resume", "save_run_checkpoint", "train_runs", "train_step",
-    "trim_metrics",
+    "Resumed", "RunFolder", "TrainingRun", "default_autocast", "final_evaluation", "make_step_runner",
+    "measure_batch_runs", "metric_row", "open_runs", "progress_bar", "read_metrics", "resume", "save_run_checkpoint",
+    "train_runs", "train_step", "trim_metrics",
 ]  # fmt: skip

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ from . import batched
 from ._checks import check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
-from .batched import RunAdamW, StackedRuns
+from .batched import StackedRuns
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, pinned, use_cuda_graph
 from .data import (
@@ -81,7 +82,7 @@ from .lifecycle import (
     TrainingRun,
     default_autocast,
     final_evaluation,
-    make_step_runner,
+    measure_batch_runs,
     resume,
     train_runs,
 )
@@ -516,16 +517,19 @@ class TrainRun(TrainingRun):
         """The loss of one run of a batch (under ``vmap``; its label smoothing a 0-d tensor of the batch)."""
         return run_loss(model, model, local_action_batch(batch), batch["label_smoothing"])
 
+    @functools.cached_property
+    def trained(self) -> nn.Module:
+        """The module whose forward a single step calls: the model, or its data-parallel / compiled wrapper (DDP
+        synchronises gradients through its forward)."""
+        trained = DistributedDataParallel(self.model) if self.ddp.world_size > 1 else self.model
+        return maybe_compile(trained, self.config.compile)
+
     def single_step(self, model, optimizer, batch) -> torch.Tensor:
         return train_step(model, self.trained, optimizer, batch, self.config, default_autocast(self.device))
 
     @classmethod
     def starting(cls, runs: Sequence[TrainRun], model: nn.Module, step: int) -> None:
         first = runs[0]
-        if len(runs) == 1:
-            # Call the (possibly DDP-wrapped, compiled) module itself: DDP synchronises gradients through its forward.
-            trained = DistributedDataParallel(first.model) if first.ddp.world_size > 1 else first.model
-            first.trained = maybe_compile(trained, first.config.compile)
         sizes = {dataclasses.astuple(dataclasses.replace(run.model.config, embedding_dropout=0.0, residual_dropout=0.0))
                  for run in runs}  # fmt: skip
         if len(sizes) > 1:  # dropout rates are each run's own (RunDropout); every other model setting must agree
@@ -800,47 +804,34 @@ CPU_MAX_AUTO_BATCH = 8
 
 
 def auto_batch_runs(config: TrainConfig, *, runs: int, share: int = 1) -> int:
-    """``--batch-runs auto`` for ``runs`` runs shaped like ``config``: :func:`icrl_models.batched.auto_batch_runs`
-    measures a few steps of 1, 2, 4, ... fresh runs of its model on a small generated dataset (the model's sizes,
-    not its data, matter), single runs stepping as ``icrl-train`` steps them. Runs that cannot batch: 1."""
+    """``--batch-runs auto`` for ``runs`` runs shaped like ``config``: the lifecycle's measured probe
+    (:func:`~icrl_models.lifecycle.measure_batch_runs`) of 1, 2, 4, ... fresh runs of its model on a small dataset
+    generated into a temporary folder (the model's sizes, not its data, matter), one run stepping as ``icrl-train``
+    steps it. At most :data:`CPU_MAX_AUTO_BATCH` on a CPU; runs that cannot batch: 1."""
     if batchable(config) is not None:
         return 1
     device = Distributed(config.device).device
-    histories = generate_histories(config.generate_config("train", 2, 2), progress=False)
-    windows = HistoryWindows(histories, config.seq_len)
-    rows = windows.get_batch(np.arange(config.batch_size) % len(windows))
-    autocast = default_autocast(device)
-    probe = dataclasses.replace(config, embedding_dropout=0.0, residual_dropout=0.0)
-    graph_mode = config.cuda_graph
-
-    def make_step(count: int):
-        models = [probe.build_model(histories).to(device) for _ in range(count)]
-        optimizers = [torch.optim.AdamW(model.parameters(), config.learning_rate) for model in models]
-        if count == 1:
-            step = functools.partial(train_step, models[0], models[0], optimizers[0], config=config, autocast=autocast)
-            runner = make_step_runner(lambda batch: step(batch), models[0], optimizers[0], device,
-                                      cuda_graph=graph_mode, nonfinite="stop")  # fmt: skip
-            batch = {name: rows[name] for name in rows}
-            return lambda: runner(batch)
-        stacked = StackedRuns(models).to(device)
-        optimizer = RunAdamW.for_runs(stacked.flat, [list(m.parameters()) for m in models], optimizers)
-        norms = torch.full((count,), config.grad_clip, device=device)
-        run = TrainRun.__new__(TrainRun)
-        run.config = config
-
-        def step(batch):
-            return batched.batched_train_step(stacked, optimizer, batch, run.loss, norms, autocast)
-
-        runner = make_step_runner(step, stacked, optimizer, device, cuda_graph=graph_mode, nonfinite="stop",
-                                  runs=count)  # fmt: skip
-        batch = {name: rows[name][None].expand(count, *rows[name].shape) for name in _STEP_KEYS}
-        batch["label_smoothing"] = torch.zeros(count)
-        batch["learning_rate"] = torch.zeros(count, dtype=torch.float64)
-        return lambda: runner(pinned(batch, device))
-
     maximum = runs if device.type == "cuda" else min(runs, CPU_MAX_AUTO_BATCH)
-    return batched.auto_batch_runs(make_step, device, runs=maximum, share=share,
-                                   log=functools.partial(print, file=sys.stderr))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="icrl-batch-probe-") as folder:
+        shared: dict = {}
+        data = Path(folder) / "train.icrl"
+        save_histories(generate_histories(config.generate_config("train", 2, 2), progress=False), data)
+
+        def make_runs(count: int) -> list[TrainRun]:
+            probe = [
+                dataclasses.replace(
+                    config,
+                    data=str(data),
+                    seed=index,
+                    progress=False,
+                    threads=0,
+                    out_dir=str(Path(folder) / f"k{count}-run{index}"),
+                )
+                for index in range(count)
+            ]
+            return [TrainRun(run, histories=shared) for run in probe]  # fmt: skip
+
+        return measure_batch_runs(make_runs, device, runs=maximum, share=share)
 
 
 @command_line("icrl-train")

@@ -280,7 +280,7 @@ def test_icrl_looped_stops_in_one_line_and_keeps_its_checkpoint(tmp_path, monkey
 def test_icrl_markov_stops_in_one_line(tmp_path, monkeypatch, capsys):
     from icrl_models.experiments import markov_heads
 
-    _poison_train_step_at(monkeypatch, markov_heads, "dt_train_step", at=3)
+    _poison_train_step_at(monkeypatch, lifecycle, "train_step", at=3)  # the step of every run alone
     argv = ["--steps", "4", "--eval-every", "2", "--num-histories", "6", "--episodes-per-history", "3",
             "--analysis-windows", "8", "--eval-envs", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
             "--markov-heads", "0", "--context-lens", "3", "--seeds", "0", "--tasks", "dark_room_visible",

@@ -80,7 +80,6 @@ from pathlib import Path
 import numpy as np
 
 from .._cli import command_line
-from ..batched import BATCH_RUNS_HELP, parse_batch_runs
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data.generate import ENV_NAMES
@@ -260,11 +259,6 @@ class CompareConfig(SweepOptions):
     nonfinite: str = dataclasses.field(
         default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
     )
-    batch_runs: str = dataclasses.field(
-        default="1",
-        metadata={"help": f"{BATCH_RUNS_HELP} (one shape: model, sequence length, pre-norm, qk-norm). Default 1: "
-                  "one run at a time", "metavar": "K"},
-    )  # fmt: skip
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -289,7 +283,6 @@ class CompareConfig(SweepOptions):
             raise ValueError(f"hyperparameters must be one of {HYPERPARAMETERS}, got {self.hyperparameters!r}")
         if self.hyperparameters == "defaults":
             self.runs = 1  # one fixed assignment: more runs would repeat the same training
-        self.batch_runs = parse_batch_runs(self.batch_runs)
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         self.models = as_tuple(self.models, str, "models")
         if not self.models or len(set(self.models)) != len(self.models) or not set(self.models) <= set(MODELS):
