@@ -63,12 +63,14 @@ from .nonfinite import NonFiniteGuard
 # -- the run folder ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class RunFolder:
-    """Where a run keeps its files: ``path`` (the folder), its checkpoint and its JSON-lines metrics, by name
-    (several runs may share a folder, as icrl-looped's two models do, each with its own two files)."""
+    """Where a run keeps its files: ``path`` (the folder), its checkpoint and its JSON-lines metrics, by name.
+    ``shared``: other runs keep their files in the same folder (icrl-looped's two models, which may train at the
+    same time), so the run clears only its own files' unfinished writes."""
 
     path: Path
     checkpoint_name: str = "checkpoint.pt"
     metrics_name: str = "metrics.jsonl"
+    shared: bool = False
 
     def __post_init__(self) -> None:
         self.path = Path(self.path)
@@ -85,7 +87,12 @@ class RunFolder:
         """Create the folder, delete the temporary files of writes a killed run left unfinished, and write
         ``config.json`` (``config``, if given). Only for a folder no other process is writing into."""
         self.path.mkdir(parents=True, exist_ok=True)
-        remove_partial_files(self.path)
+        if not self.shared:
+            remove_partial_files(self.path)
+        else:  # only this run's own killed writes (another run may be writing into the folder now)
+            for name in (self.checkpoint_name, self.metrics_name):
+                for path in self.path.glob(f".{name}.*.partial"):
+                    path.unlink(missing_ok=True)
         if config is not None:
             write_json(self.path / "config.json", config)
         return self
@@ -322,6 +329,8 @@ class TrainingRun:
     excluded: str | None = None
     #: Rank 0 of a data-parallel run (or a single process): the process that writes the run's files.
     is_main: bool = True
+    #: Whether the run trains inside a batch (set before :meth:`build_model`): its model then runs under ``vmap``.
+    batched: bool = False
 
     # Set by train_runs.
     model: nn.Module
@@ -461,11 +470,13 @@ class _Progress:
     last_loss: float | None = None
 
 
-def open_runs(runs: Sequence[TrainingRun]) -> list[Any]:
+def open_runs(runs: Sequence[TrainingRun], *, batched: bool = False) -> list[Any]:
     """Prepare each run's folder, build its model and optimiser, and resume it from its checkpoint; trim its
-    metrics to the checkpoint's step. Returns each run's stored result if it is finished, else None."""
+    metrics to the checkpoint's step. Returns each run's stored result if it is finished, else None. ``batched``:
+    the runs will train in a batch."""
     results = []
     for run in runs:
+        run.batched = batched
         run.prepare()
         model = run.build_model()
         run.torch_state = torch.get_rng_state()  # what a batch saves for the run (its dropout stream is shared)
@@ -490,7 +501,7 @@ def train_runs(runs: Sequence[TrainingRun], *, batched: bool = False) -> list[An
     :meth:`TrainingRun.finish` returns (a finished run's stored result, without training). ``batched``: the runs
     train as one batched model (they must share a shape; runs resumed at different steps train as consecutive
     batches); otherwise one after another."""
-    results = open_runs(runs)
+    results = open_runs(runs, batched=batched)
     pending = [index for index, result in enumerate(results) if result is None]
     if batched:
         groups = [[i for i in pending if runs[i].step == step] for step in sorted({runs[i].step for i in pending})]
@@ -581,7 +592,7 @@ def measure_batch_runs(
 
     def make_step(count: int) -> Callable[[], None]:
         probe = make_runs(count)
-        open_runs(probe)
+        open_runs(probe, batched=count > 1)
         engine = _Stacked(probe) if count > 1 else _Single(probe[0])
         runner = make_step_runner(engine.step, engine.model, engine.optimizer, device, cuda_graph=probe[0].cuda_graph,
                                   nonfinite="stop", runs=count if count > 1 else None)  # fmt: skip

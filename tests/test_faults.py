@@ -261,7 +261,7 @@ def test_icrl_train_skip_finishes_and_logs_the_skipped_steps(tmp_path, monkeypat
 def test_icrl_looped_stops_in_one_line_and_keeps_its_checkpoint(tmp_path, monkeypatch, capsys):
     from icrl_models.experiments import looped
 
-    _poison_train_step_at(monkeypatch, looped, "train_step", at=5)
+    _poison_train_step_at(monkeypatch, lifecycle, "train_step", at=5)
     out = tmp_path / "looped"
     argv = ["--steps", "8", "--batch-size", "4", "--n-dims", "3", "--n-points", "5", "--d-model", "16",
             "--n-heads", "2", "--loops-start", "2", "--loops-end", "2", "--grad-loops", "1", "--dims-start", "3",
