@@ -37,12 +37,12 @@ the measured ``peak_memory_bytes`` (CUDA), and for ``fused`` the algorithm ``A``
 over the inputs (``algorithms.infonce_memory_bytes``; the target: peak at most inputs + gradients + 64 MiB).
 
 ``test_infonce_crossover`` and ``test_select_crossover`` (stage ``infonce-crossover`` of
-``benchmarks/gpu_check.py``) time every algorithm of ``icrl_kernels/contrastive/algorithms.py`` forced, over
+``benchmarks/gpu_check.py``) time every algorithm of ``icrl_kernels/contrastive/algorithms.py`` (``algorithm=``), over
 ``A`` = 125..10^6 (bf16, ``N = 65536``, ``D = 512``, gradient for ``pred``; tiny smoke shapes on the CPU):
 the data that sets the thresholds between the algorithms (placeholders until then), and, through the
 recorded autotuning, the new kernels' configs. The InfoNCE sweep also replays each call from a CUDA graph up
 to ``A = 16384`` (``<algorithm>+graph``), where host time can decide the choice, and times row chunks of 8, 16
-and 64 MiB besides the default 32 at ``A = 4096`` (``row-chunks@16MiB``: ``CHUNK_BYTES``' data).
+and 64 MiB besides the default 32 at ``A = 4096`` (``row_chunks@16MiB``: ``CHUNK_BYTES``' data).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from icrl_kernels.contrastive.algorithms import (
     SMALL,
     SMALL_MAX_ACTIONS,
     chunk_shape,
-    forced_algorithm,
+    chunk_sizes,
     infonce_algorithm,
     infonce_memory_bytes,
 )
@@ -177,8 +177,10 @@ def reference_loss(pred: torch.Tensor, embeds: torch.Tensor, targets: torch.Tens
     return F.cross_entropy((pred @ embeds.T).float() / TAU, targets)
 
 
-def fused_loss(pred: torch.Tensor, embeds: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return icrl_kernels.infonce_loss(pred, embeds, targets, tau=TAU)
+def fused_loss(
+    pred: torch.Tensor, embeds: torch.Tensor, targets: torch.Tensor, algorithm: str = "auto"
+) -> torch.Tensor:
+    return icrl_kernels.infonce_loss(pred, embeds, targets, tau=TAU, algorithm=algorithm)
 
 
 @functools.cache
@@ -263,7 +265,7 @@ def memory_info(shape: Shape, dtype: torch.dtype, wrt: str, algorithm: str | Non
 
 # -- crossover of the algorithms (their thresholds) --------------------------------------------------------
 
-#: Action counts of the sweep: Headless-AD's 125, the fused/row-chunks threshold's neighbourhood, the
+#: Action counts of the sweep: Headless-AD's 125, the fused/row_chunks threshold's neighbourhood, the
 #: headline 4096, and the huge sets where action chunks compete with the fused kernels.
 CROSSOVER_ACTIONS = (125, 512, 1024, 4096, 16384, 65536, 262144, 1_000_000)
 CROSSOVER_SHAPES = (
@@ -273,7 +275,7 @@ CROSSOVER_SHAPES = (
 CROSSOVER_GRAPH_MAX_ACTIONS = 16384
 #: Row chunks of other sizes than ``CHUNK_BYTES`` (32 MiB of fp32 logits), at ``A = 4096`` (on the CPU, the
 #: smoke shapes' largest ``A``): whether a chunk stays in L2 (50 MB on an H100) decides its speed, and fewer,
-#: larger chunks launch fewer kernels. Backend ``row-chunks@<MiB>MiB``.
+#: larger chunks launch fewer kernels. Backend ``row_chunks@<MiB>MiB``.
 CHUNK_SIZES_MIB = (8, 16, 64)
 
 
@@ -311,16 +313,16 @@ def _crossover_backends(algorithms: tuple[str, ...]) -> list:
     return params
 
 
-def _forced(backend: str):
-    """``forced_algorithm`` of a crossover backend: ``<algorithm>``, ``<algorithm>+graph`` or
-    ``row-chunks@<MiB>MiB`` (row chunks of that many MiB of fp32 logits)."""
-    algorithm, _, size = split_graph(backend)[0].partition("@")
-    return forced_algorithm(algorithm, chunk_bytes=int(size.removesuffix("MiB")) << 20 if size else None)
+def _chunks(backend: str):
+    """The chunk size of a crossover backend (``<algorithm>``, ``<algorithm>+graph`` or ``row_chunks@<MiB>MiB``:
+    row chunks of that many MiB of fp32 logits; the default elsewhere)."""
+    size = split_graph(backend)[0].partition("@")[2]
+    return chunk_sizes(chunk_bytes=int(size.removesuffix("MiB")) << 20 if size else None)
 
 
 @pytest.mark.parametrize("shape,backend", _crossover_backends(INFONCE_ALGORITHMS))
 def test_infonce_crossover(timed, benchmark, shape: Shape, backend: str) -> None:
-    """Forward + backward (gradient for ``pred``) of one algorithm forced, at one ``A``."""
+    """Forward + backward (gradient for ``pred``) of one algorithm (``algorithm=``), at one ``A``."""
     device = bench_device()
     algorithm, graphed = split_graph(backend)
     algorithm = algorithm.partition("@")[0]
@@ -329,12 +331,12 @@ def test_infonce_crossover(timed, benchmark, shape: Shape, backend: str) -> None
     pred.requires_grad_(True)
 
     def step() -> None:
-        torch.autograd.grad(fused_loss(pred, embeds, targets), (pred,))
+        torch.autograd.grad(fused_loss(pred, embeds, targets, algorithm=algorithm), (pred,))
 
     benchmark.group = f"infonce-crossover {shape_id(shape)}"
     info = {"op": "infonce_crossover", "backend": backend, **shape._asdict(), "tau": TAU}
     cost = infonce_fwd_bwd_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
-    with _forced(backend):
+    with _chunks(backend):
         info.update(memory_info(shape, pred.dtype, "pred", algorithm))  # with the forced chunk size
         timed(step, device=device, info=info, cost=cost, dtype=pred.dtype, graphed=graphed)
 
@@ -345,20 +347,19 @@ def test_infonce_crossover(timed, benchmark, shape: Shape, backend: str) -> None
     for shape in CROSSOVER_SHAPES for algorithm in SELECT_ALGORITHMS
 ])  # fmt: skip
 def test_select_crossover(timed, benchmark, shape: Shape, algorithm: str, mode: str) -> None:
-    """One action per row by one selection algorithm forced, at one ``A``."""
+    """One action per row by one selection algorithm (``algorithm=``), at one ``A``."""
     device = bench_device()
     skip_unless_algorithm_runs(shape, algorithm, device)
     pred, embeds, _ = make_inputs(shape, device)
 
     def step() -> None:
         with torch.no_grad():
-            icrl_kernels.select_actions(pred, embeds, mode=mode, tau=TAU)
+            icrl_kernels.select_actions(pred, embeds, mode=mode, tau=TAU, algorithm=algorithm)
 
     benchmark.group = f"select-crossover {shape_id(shape)}-{mode}"
     info = {"op": "select_crossover", "backend": algorithm, **shape._asdict(), "mode": mode, "tau": TAU}
     cost = select_actions_cost(shape.N, shape.D, shape.A, dtype=pred.dtype)
-    with forced_algorithm(algorithm):
-        timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
+    timed(step, device=device, info=info, cost=cost, dtype=pred.dtype)
 
 
 SELECT_BACKENDS = ["fused-sample", "fused-sample+graph", "fused-argmax", "reference", "argmax"]

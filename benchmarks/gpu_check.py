@@ -35,8 +35,8 @@ Stages (in order; ``--stages all`` runs them all):
 ``profile`` our headline cases again, each followed by 5 calls under ``torch.profiler``: device-busy time
            per call against the median (kernel- or host-bound), launches per call, the longest kernels
 ``ngram-crossover`` the tiled against the sort n-gram kernels over ``L`` (``TILED_MAX_LENGTH``'s data)
-``infonce-crossover`` every InfoNCE and selection algorithm forced over ``A`` = 125..10^6 (the thresholds of
-           ``icrl_kernels/contrastive/algorithms.py``, and the new kernels' autotuning)
+``infonce-crossover`` every InfoNCE and selection algorithm (``algorithm=``) over ``A`` = 125..10^6 (the
+           thresholds of ``icrl_kernels/contrastive/algorithms.py``, and the new kernels' autotuning)
 ``train``  ``icrl-train`` on the device: the main job and N-Gram AD at width 512, fused kernels against
            ``--backend reference``: steps per second, and whether the loss falls
 ``paper-goals`` issue 19's GPU run: ``icrl-compare --preset goals-paper`` with one Table 1 draw per setting
@@ -586,8 +586,8 @@ def stage_ngram_crossover(ctx: Context) -> tuple[str, dict]:
 
 
 def stage_infonce_crossover(ctx: Context) -> tuple[str, dict]:
-    """Every InfoNCE and selection algorithm forced over ``A`` (bf16, N 65536, D 512): the data of the thresholds
-    in ``icrl_kernels/contrastive/algorithms.py`` (benchmarks/results/README.md says what to read from it)."""
+    """Every InfoNCE and selection algorithm (``algorithm=``) over ``A`` (bf16, N 65536, D 512): the data of the
+    thresholds in ``icrl_kernels/contrastive/algorithms.py`` (benchmarks/results/README.md: what to read from it)."""
     return _benchmark_stage(ctx, "infonce-crossover", ["benchmarks/bench_infonce.py", "-k", "crossover"])
 
 

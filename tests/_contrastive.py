@@ -98,6 +98,7 @@ def check_infonce_parity(
     ignore_index: int = IGNORE,
     embeds_grad: bool = True,
     seed: int = 0,
+    algorithm: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Loss and gradients of ``backend`` against the fp32 reference on the same (upcast) inputs."""
     dtype = inputs.pred.dtype
@@ -106,7 +107,7 @@ def check_infonce_parity(
     pred_ref = inputs.pred.detach().float().requires_grad_(True)
     embeds_ref = inputs.embeds.detach().float().requires_grad_(True)
     kwargs = {"tau": tau, "mask": inputs.mask, "reduction": reduction, "ignore_index": ignore_index}
-    loss = infonce_loss(pred, embeds, inputs.targets, backend=backend, **kwargs)
+    loss = infonce_loss(pred, embeds, inputs.targets, backend=backend, algorithm=algorithm, **kwargs)
     expected = infonce_loss_reference(pred_ref, embeds_ref, inputs.targets, **kwargs)
     assert loss.dtype == torch.float32, "the loss is float32 whatever the input dtype"
     assert loss.shape == expected.shape
@@ -152,7 +153,7 @@ PARITY_CASES = [
 CASES = {case.name: case for case in PARITY_CASES}
 
 
-def check_single_available_action(backend, device, per_sequence):
+def check_single_available_action(backend, device, per_sequence, algorithm: str = "auto"):
     """With one available action the softmax is 1 on the target: loss and both gradients exactly 0."""
     gen = torch.Generator().manual_seed(5)
     for num_actions, mask_kind in ((1, None), (7, "one-per-row")):
@@ -163,35 +164,37 @@ def check_single_available_action(backend, device, per_sequence):
         mask = None
         if mask_kind:
             mask = torch.nn.functional.one_hot(targets, num_actions).bool()
-        loss = infonce_loss(pred, embeds, targets, mask=mask, reduction="none", backend=backend)
+        loss = infonce_loss(pred, embeds, targets, mask=mask, reduction="none", backend=backend, algorithm=algorithm)
         assert torch.equal(loss.detach(), torch.zeros_like(loss)), loss
         grad_pred, grad_embeds = torch.autograd.grad(loss.sum(), (pred, embeds))
         assert torch.equal(grad_pred, torch.zeros_like(grad_pred))
         assert torch.equal(grad_embeds, torch.zeros_like(grad_embeds))
 
 
-def check_ignore_index_values(backend, device, ignore_index):
+def check_ignore_index_values(backend, device, ignore_index, algorithm: str = "auto"):
     """``ignore_index`` may be any int: negative, a valid action id, or an id past the action set."""
     # A full mask: with ignore_index = 2, padded rows may "target" an action their mask excludes.
     case = Case("ignore", (4, 9, 24), 5, False, "full", 0.3, 1.2, "none")
     inputs = make_inputs(case, torch.float32, device, seed=9, ignore_index=ignore_index)
     assert (inputs.targets == ignore_index).any()
     for reduction in ("none", "mean"):
-        check_infonce_parity(inputs, backend, tau=case.tau, reduction=reduction, ignore_index=ignore_index)
+        check_infonce_parity(
+            inputs, backend, tau=case.tau, reduction=reduction, ignore_index=ignore_index, algorithm=algorithm
+        )
 
 
-def check_all_rows_ignored(backend, device):
+def check_all_rows_ignored(backend, device, algorithm: str = "auto"):
     """Every row padding: the sum is 0 with zero gradients; the mean is NaN (0 / 0), as in the reference, and
     its gradients are zero too (the reference's are: ignored rows take no share of the inf upstream)."""
     gen = torch.Generator().manual_seed(10)
     pred = torch.randn(2, 5, 16, generator=gen).to(device).requires_grad_(True)
     embeds = torch.randn(7, 16, generator=gen).to(device).requires_grad_(True)
     targets = torch.full((2, 5), IGNORE, device=device)
-    total = infonce_loss(pred, embeds, targets, reduction="sum", backend=backend)
+    total = infonce_loss(pred, embeds, targets, reduction="sum", backend=backend, algorithm=algorithm)
     assert total.item() == 0.0
     grad_pred, grad_embeds = torch.autograd.grad(total, (pred, embeds))
     assert not grad_pred.any() and not grad_embeds.any()
-    mean = infonce_loss(pred, embeds, targets, backend=backend)
+    mean = infonce_loss(pred, embeds, targets, backend=backend, algorithm=algorithm)
     expected = infonce_loss_reference(pred, embeds, targets)
     assert torch.isnan(mean) and torch.isnan(expected)
     for grad, grad_ref in zip(torch.autograd.grad(mean, (pred, embeds)), torch.autograd.grad(expected, (pred, embeds))):
@@ -217,7 +220,9 @@ def assert_argmax_equal(actions, pred, embeds, tau, mask, *, gap: float) -> None
     assert picked_available.gather(-1, actions[..., None]).all(), "picked an unavailable action"
 
 
-def check_fp16_gradients(pred, embeds, targets, upstream, *, backend: str, tau: float, reduction: str, context):
+def check_fp16_gradients(
+    pred, embeds, targets, upstream, *, backend: str, tau: float, reduction: str, context, algorithm: str = "auto"
+):
     """Both gradients of ``infonce_loss`` on fp16 inputs (run within ``context``) within 5% of the error of the
     fp32 reference's rounded to fp16, both against float64; return the fp32 and float64 gradients."""
 
@@ -227,7 +232,7 @@ def check_fp16_gradients(pred, embeds, targets, upstream, *, backend: str, tau: 
         return torch.autograd.grad(loss, (p, e), upstream.to(loss.dtype))
 
     with context:
-        ours = grads(functools.partial(infonce_loss, backend=backend), torch.float16)
+        ours = grads(functools.partial(infonce_loss, backend=backend, algorithm=algorithm), torch.float16)
     fp32 = grads(infonce_loss_reference, torch.float32)
     truth = grads(infonce_loss_reference, torch.float64)
     for name, out, ref32, ref64 in zip(("grad_pred", "grad_embeds"), ours, fp32, truth):
@@ -237,7 +242,7 @@ def check_fp16_gradients(pred, embeds, targets, upstream, *, backend: str, tau: 
     return fp32, truth
 
 
-def check_select_nan(backend: str, device: str, where: str) -> None:
+def check_select_nan(backend: str, device: str, where: str, algorithm: str = "auto") -> None:
     """NaN in ``pred`` or the map raises ValueError naming both arguments; with value checks off, every
     row still gets an available action (NaN scores rank lowest; rows of all-NaN scores take their first
     available action, never action 0 when it is masked). Also used by test_contrastive_algorithms.py."""
@@ -255,10 +260,10 @@ def check_select_nan(backend: str, device: str, where: str) -> None:
     pred, embeds, mask = pred.to(device), embeds.to(device), mask.to(device)
     for mode in ("argmax", "sample"):
         with pytest.raises(ValueError, match="pred or action_embeds contains NaN"):
-            select_actions(pred, embeds, mode=mode, mask=mask, backend=backend)
+            select_actions(pred, embeds, mode=mode, mask=mask, backend=backend, algorithm=algorithm)
         previous = set_value_checks("off")
         try:
-            actions = select_actions(pred, embeds, mode=mode, mask=mask, backend=backend,
+            actions = select_actions(pred, embeds, mode=mode, mask=mask, backend=backend, algorithm=algorithm,
                                      generator=torch.Generator().manual_seed(1))  # fmt: skip
         finally:
             set_value_checks(previous)
@@ -267,11 +272,13 @@ def check_select_nan(backend: str, device: str, where: str) -> None:
     embeds_masked_nan = embeds.nan_to_num(0.0).clone()
     embeds_masked_nan[0] = float("nan")
     clean_pred = pred.nan_to_num(0.0)
-    actions = select_actions(clean_pred, embeds_masked_nan, mode="argmax", mask=mask, backend=backend)
+    actions = select_actions(
+        clean_pred, embeds_masked_nan, mode="argmax", mask=mask, backend=backend, algorithm=algorithm
+    )
     assert mask.gather(-1, actions[..., None]).all()
 
 
-def check_select_overflow(backend: str, device: str, mode: str) -> None:
+def check_select_overflow(backend: str, device: str, mode: str, algorithm: str = "auto") -> None:
     """tau = 1e-38 sends every logit to +-inf. Rows whose available logits are all -inf must get their
     first available action (the kernel's running best once started at action 0, which is masked here);
     rows with several +inf available logits, the lowest of them in argmax mode. Also used by
@@ -288,7 +295,7 @@ def check_select_overflow(backend: str, device: str, mode: str) -> None:
     logits = action_logits_reference(pred, embeds, tau=1e-38, mask=mask)
     all_neg = ~(logits > float("-inf")).any(-1)
     assert all_neg[:20].all() and not all_neg[20:].any()
-    actions = select_actions(pred, embeds, mode=mode, tau=1e-38, mask=mask, backend=backend,
+    actions = select_actions(pred, embeds, mode=mode, tau=1e-38, mask=mask, backend=backend, algorithm=algorithm,
                              generator=torch.Generator().manual_seed(2))  # fmt: skip
     assert mask.gather(-1, actions[:, None]).all(), "picked a masked action"
     first_available = mask.int().argmax(-1)

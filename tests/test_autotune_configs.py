@@ -95,7 +95,7 @@ def _contrastive_inputs(device: str, dtype: torch.dtype, actions: int | None = N
     return pred.to(device, dtype), embeds.to(device, dtype), mask.to(device), targets.to(device)
 
 
-def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None) -> None:
+def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None, algorithm: str = "auto") -> None:
     """``infonce_loss(backend="triton")`` and both gradients against the fp32 reference on the same inputs,
     with and without a mask (``HAS_MASK`` compiles two variants of every kernel)."""
     pred, embeds, mask, targets = _contrastive_inputs(device, dtype, actions)
@@ -103,7 +103,7 @@ def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None) -
         kwargs = {"mask": mask if masked else None, "tau": 0.7, "reduction": "none"}
         leaves = (pred.detach().clone().requires_grad_(True), embeds.detach().clone().requires_grad_(True))
         leaves_ref = (pred.detach().float().requires_grad_(True), embeds.detach().float().requires_grad_(True))
-        loss = infonce_loss(*leaves, targets, backend="triton", **kwargs)
+        loss = infonce_loss(*leaves, targets, backend="triton", algorithm=algorithm, **kwargs)
         expected = infonce_loss_reference(*leaves_ref, targets, **kwargs)
         name = "masked" if masked else "unmasked"
         assert_close_rel(loss, expected, rms_tol=RMS_TOLERANCE[dtype], name=f"{name} loss")
@@ -115,24 +115,26 @@ def check_infonce(device: str, dtype: torch.dtype, actions: int | None = None) -
             assert_close_rel(grad, grad_ref, rms_tol=RMS_TOLERANCE[dtype], name=f"{name} {grad_name}")
 
 
-def _sample(pred, embeds, mask) -> torch.Tensor:
+def _sample(pred, embeds, mask, algorithm: str = "auto") -> torch.Tensor:
     """A seeded Gumbel-max draw. tau = 1e4 scales the logits to ~1e-3, so the rounding differences between
     configs (~1e-9 after the scaling) cannot reorder the noise, which every config computes bit for bit
     the same (one Philox draw per (row, action), whatever the tiling)."""
-    return select_actions(pred, embeds, mode="sample", tau=1e4, mask=mask, generator=_generator(7), backend="triton")
+    return select_actions(pred, embeds, mode="sample", tau=1e4, mask=mask, generator=_generator(7), backend="triton",
+                          algorithm=algorithm)  # fmt: skip
 
 
-def check_select(device: str, dtype: torch.dtype) -> None:
+def check_select(device: str, dtype: torch.dtype, algorithm: str = "auto") -> None:
     """``select_actions(backend="triton")``: argmax picks an available action whose reference logit is the
     row's maximum (up to rounding: near-ties may go either way); sampling picks available actions."""
     pred, embeds, mask, _ = _contrastive_inputs(device, dtype)
     logits = action_logits_reference(pred.float(), embeds.float(), mask=mask)
-    chosen = select_actions(pred, embeds, mode="argmax", mask=mask, backend="triton")
+    chosen = select_actions(pred, embeds, mode="argmax", mask=mask, backend="triton", algorithm=algorithm)
     assert mask.gather(-1, chosen[..., None]).all(), "argmax picked an unavailable action"
     best = logits.max(-1).values
     gap = (best - logits.gather(-1, chosen[..., None])[..., 0]).max().item()
     assert gap <= 1e-4 * best.abs().max().item(), f"argmax is {gap:.3e} below the best logit"
-    assert mask.gather(-1, _sample(pred, embeds, mask)[..., None]).all(), "sampling picked an unavailable action"
+    sampled = _sample(pred, embeds, mask, algorithm)
+    assert mask.gather(-1, sampled[..., None]).all(), "sampling picked an unavailable action"
 
 
 def check_gated_attention(device: str, dtype: torch.dtype) -> None:
@@ -170,15 +172,15 @@ def check_gated_attention(device: str, dtype: torch.dtype) -> None:
 
 
 def forced(algorithm: str, check):
-    """``check`` under the InfoNCE / selection ``algorithm`` (``contrastive/algorithms.py``); chunked ones in
+    """``check`` with the InfoNCE / selection ``algorithm`` (``contrastive/algorithms.py``); chunked ones in
     chunks of 4 rows (and 64 actions) under the interpreter, so that several chunks run, of 256 rows on CUDA."""
 
     def run(device: str, dtype: torch.dtype) -> None:
-        from icrl_kernels.contrastive.algorithms import forced_algorithm
+        from icrl_kernels.contrastive.algorithms import chunk_sizes
 
         rows = 4 if device == "cpu" else 256
-        with forced_algorithm(algorithm, chunk_bytes=4 * rows * 64, action_chunk=64):
-            check(device, dtype)
+        with chunk_sizes(chunk_bytes=4 * rows * 64, action_chunk=64):
+            check(device, dtype, algorithm=algorithm)
 
     return run
 
@@ -188,7 +190,7 @@ def _chunked(check):
     return lambda device, dtype: [forced(algorithm, check)(device, dtype) for algorithm in CHUNKED_ALGORITHMS]
 
 
-CHUNKED_ALGORITHMS = ("row-chunks", "action-chunks")
+CHUNKED_ALGORITHMS = ("row_chunks", "action_chunks")
 
 #: Autotuned kernel (:func:`icrl_kernels._triton.kernel_name`) -> the check of the op that launches it.
 CHECKS = {
@@ -200,7 +202,7 @@ CHECKS = {
     "infonce_grad_pred": check_infonce,
     "infonce_grad_embeds": check_infonce,
     "select_actions": check_select,
-    "infonce_small": forced("small", lambda device, dtype: check_infonce(device, dtype, actions=100)),
+    "infonce_small": forced("small", lambda device, dtype, algorithm: check_infonce(device, dtype, 100, algorithm)),
     "infonce_chunk": _chunked(check_infonce),
     "select_chunk": _chunked(check_select),
     "gated_attention_forward": check_gated_attention,

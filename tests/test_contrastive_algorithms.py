@@ -1,9 +1,9 @@
-"""The algorithms of InfoNCE and action selection chosen by the number of actions (``contrastive/algorithms.py``),
-each FORCED at small sizes and checked against the fp32 reference.
+"""The algorithms of InfoNCE and action selection (``contrastive/algorithms.py``), each asked for by name
+(``algorithm=``) at small sizes and checked against the fp32 reference.
 
-``forced_algorithm`` pins an algorithm, with chunks so small that several chunks of rows (and, for
-``action-chunks``, of actions) run under the interpreter; a spy on the kernel launches then proves that the
-forced path ran (and the fused kernels did not). Kernel outputs start NaN-poisoned (tests/conftest.py). The
+``chunk_sizes`` makes chunks so small that several chunks of rows (and, for ``action_chunks``, of actions) run
+under the interpreter; a spy on the kernel launches then proves that the algorithm asked for ran (and the fused
+kernels did not). Kernel outputs start NaN-poisoned (tests/conftest.py). The
 fused algorithm's own tests are in test_contrastive_kernels.py; it is also run here beside the others at the
 small action sets that now take the ``small`` path by default.
 
@@ -57,7 +57,7 @@ from icrl_kernels.contrastive.algorithms import (
     SMALL,
     SMALL_MAX_ACTIONS,
     chunk_shape,
-    forced_algorithm,
+    chunk_sizes,
     infonce_algorithm,
     infonce_memory_bytes,
     select_algorithm,
@@ -83,23 +83,24 @@ def _rows(case: Case) -> int:
 
 
 def tiny_chunks(algorithm: str, num_rows: int, num_actions: int) -> dict:
-    """Chunk sizes that split ``num_rows`` rows into about three chunks and, for ``action-chunks``, the actions
+    """Chunk sizes that split ``num_rows`` rows into about three chunks and, for ``action_chunks``, the actions
     into about three chunks too (several chunks of each kind under the interpreter)."""
     actions = -(-num_actions // 3) if algorithm == ACTION_CHUNKS else num_actions
     return {"chunk_bytes": 4 * actions * -(-num_rows // 3), "action_chunk": actions}
 
 
 def forced(algorithm: str, num_rows: int, num_actions: int):
-    return forced_algorithm(algorithm, **tiny_chunks(algorithm, num_rows, num_actions))
+    """Tiny chunks (:func:`tiny_chunks`) for the calls in the block, which ask for ``algorithm`` themselves."""
+    return chunk_sizes(**tiny_chunks(algorithm, num_rows, num_actions))
 
 
 def launch_spy(monkeypatch) -> list[str]:
     """Record the name of every kernel launched by the contrastive kernel modules."""
     from icrl_kernels._triton import kernel_name
-    from icrl_kernels.contrastive import chunked_kernels, kernels, small_kernels
+    from icrl_kernels.contrastive import chunked_kernels, fused_kernels, small_kernels
 
     launches: list[str] = []
-    for module in (kernels, small_kernels, chunked_kernels):
+    for module in (fused_kernels, small_kernels, chunked_kernels):
         real = module.launch
 
         def spy(kernel, grid, real=real):
@@ -137,7 +138,7 @@ def test_parity_every_path(monkeypatch, case: Case, algorithm, dtype, device):
     launches = launch_spy(monkeypatch)
     inputs = make_inputs(case, dtype, device, seed=zlib.crc32(f"{case.name}-{algorithm}".encode()))
     with forced(algorithm, _rows(case), case.num_actions):
-        check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction)
+        check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction, algorithm=algorithm)
     assert_ran(launches, algorithm, grad_embeds=True)
 
 
@@ -155,7 +156,7 @@ def test_gradients_only_where_asked(monkeypatch, algorithm, wrt, reduction, devi
     launches = launch_spy(monkeypatch)
     kwargs = {"tau": case.tau, "mask": inputs.mask, "reduction": reduction}
     with forced(algorithm, _rows(case), case.num_actions):
-        loss = infonce_loss(pred, embeds, inputs.targets, backend="triton", **kwargs)
+        loss = infonce_loss(pred, embeds, inputs.targets, backend="triton", algorithm=algorithm, **kwargs)
     assert_ran(launches, algorithm, grad_embeds=wrt != "pred")
     grad_out = torch.rand(loss.shape, generator=torch.Generator().manual_seed(2)).to(device) + 0.5
     with forced(algorithm, _rows(case), case.num_actions):
@@ -208,8 +209,8 @@ def test_chunks_cover_every_row_once_and_stay_in_their_budget(monkeypatch, case:
     monkeypatch.setattr(chunked, "row_chunks", chunks_spy)
     monkeypatch.setattr(chunked, "matmul_fp32", matmul_spy)
     inputs = make_inputs(case, torch.float32, TRITON_DEVICES[0], seed=53)
-    with forced_algorithm(algorithm, chunk_bytes=budget, action_chunk=action_chunk):
-        check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction)
+    with chunk_sizes(chunk_bytes=budget, action_chunk=action_chunk):
+        check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction, algorithm=algorithm)
     batch, steps = (1, case.pred_shape[0]) if len(case.pred_shape) == 2 else case.pred_shape[:2]
     coverage = torch.zeros(batch * steps, dtype=torch.int64)
     for chunk in seen:
@@ -236,14 +237,14 @@ def test_single_available_action_is_zero_loss_and_gradient(algorithm, device, pe
     """One action, or one available action per row: the softmax is exactly 1 on the target, so the loss and
     both gradients are exactly 0 (the log-sum-exp of one logit is that logit). The fused path's test, forced."""
     with forced(algorithm, 33, 7):
-        check_single_available_action("triton", device, per_sequence)
+        check_single_available_action("triton", device, per_sequence, algorithm=algorithm)
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
 def test_all_rows_ignored(algorithm, device):
     """Every row padding: the sum is 0, the mean NaN (0 / 0) as in the reference, both with zero gradients."""
     with forced(algorithm, 10, 7):
-        check_all_rows_ignored("triton", device)
+        check_all_rows_ignored("triton", device, algorithm=algorithm)
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
@@ -261,7 +262,7 @@ def test_masked_actions_get_exactly_no_mass(algorithm, device):
     targets = kept[torch.randint(0, len(kept), (2, 9), generator=gen).to(device)]
     pred_leaf, embeds_leaf = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
     with forced(algorithm, 18, num_actions):
-        loss = infonce_loss(pred_leaf, embeds_leaf, targets, mask=mask, tau=0.8, backend="triton")
+        loss = infonce_loss(pred_leaf, embeds_leaf, targets, mask=mask, tau=0.8, backend="triton", algorithm=algorithm)
         grad_pred, grad_embeds = torch.autograd.grad(loss, (pred_leaf, embeds_leaf))
     assert torch.equal(grad_embeds[masked], torch.zeros_like(grad_embeds[masked]))
     renumber = torch.full((num_actions,), -1, dtype=torch.int64, device=device)
@@ -280,7 +281,7 @@ def test_ignore_index_values(algorithm, device, ignore_index):
     """``ignore_index`` may be negative, a valid action id (a padded row may then "target" an action its
     mask excludes) or an id past the action set. The fused path's test, forced."""
     with forced(algorithm, 36, 5):
-        check_ignore_index_values("triton", device, ignore_index)
+        check_ignore_index_values("triton", device, ignore_index, algorithm=algorithm)
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
@@ -295,7 +296,7 @@ def test_one_step_sequences_and_strided_inputs(algorithm, device):
     cases.append((torch.randn(5, 1, 24, generator=gen).to(device), per_seq, targets[:, :1].repeat(3, 1)[:5]))
     for p, e, t in cases:
         with forced(algorithm, max(3, t.numel()), 7):
-            check_infonce_parity(Inputs(p, e, t, None), "triton", tau=0.9, reduction="none")
+            check_infonce_parity(Inputs(p, e, t, None), "triton", tau=0.9, reduction="none", algorithm=algorithm)
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
@@ -311,7 +312,7 @@ def test_an_outlier_row_changes_no_other_row(algorithm, device):
         pred = pred.clone().requires_grad_(True)
         with forced(algorithm, 21, 11):
             loss = infonce_loss(pred, inputs.embeds, inputs.targets, tau=case.tau, mask=inputs.mask,
-                                reduction="none", backend="triton")  # fmt: skip
+                                reduction="none", backend="triton", algorithm=algorithm)  # fmt: skip
             (grad,) = torch.autograd.grad(loss, pred, torch.ones_like(loss))
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
         results.append((loss.detach(), grad))
@@ -337,17 +338,21 @@ def test_bad_values_raise_as_on_the_fused_path(algorithm, device):
             bad = targets.clone()
             bad[1, 2] = value
             with pytest.raises(ValueError, match=match):
-                infonce_loss(pred, embeds, bad, backend="triton")
-        infonce_loss(pred, embeds, valid, mask=mask, backend="triton")  # every target available: fine
+                infonce_loss(pred, embeds, bad, backend="triton", algorithm=algorithm)
+        infonce_loss(
+            pred, embeds, valid, mask=mask, backend="triton", algorithm=algorithm
+        )  # every target available: fine
         bad = valid.clone()
         bad[0, 3] = 1
         with pytest.raises(ValueError, match="targets include actions that mask marks unavailable"):
-            infonce_loss(pred, embeds, bad, mask=mask, backend="triton")
-        assert torch.isfinite(infonce_loss(pred, embeds, bad, mask=mask, ignore_index=1, backend="triton"))
+            infonce_loss(pred, embeds, bad, mask=mask, backend="triton", algorithm=algorithm)
+        assert torch.isfinite(
+            infonce_loss(pred, embeds, bad, mask=mask, ignore_index=1, backend="triton", algorithm=algorithm)
+        )
         empty_row = torch.ones(2, 6, 4, dtype=torch.bool, device=device)
         empty_row[1, 5] = False
         with pytest.raises(ValueError, match="mask leaves a row with no available action"):
-            infonce_loss(pred, embeds, targets, mask=empty_row, backend="triton")
+            infonce_loss(pred, embeds, targets, mask=empty_row, backend="triton", algorithm=algorithm)
 
 
 def _precision_problem(rows: int):
@@ -392,9 +397,9 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(algorithm, device, reduction
     upstream = weights if reduction == "none" else torch.tensor(1.0, device=device)
     context = contextlib.ExitStack()
     context.enter_context(_large_row_tiles())
-    context.enter_context(forced_algorithm(algorithm, chunk_bytes=4 * 5 * rows // 4, action_chunk=2))
+    context.enter_context(chunk_sizes(chunk_bytes=4 * 5 * rows // 4, action_chunk=2))
     check_fp16_gradients(pred, embeds, targets, upstream, backend="triton", tau=0.7, reduction=reduction,
-                         context=context)  # fmt: skip
+                         context=context, algorithm=algorithm)  # fmt: skip
 
 
 # --- action selection ---------------------------------------------------------------------------------
@@ -412,7 +417,8 @@ SELECT_CASES = [
 def _select(inputs, algorithm: str, mode: str, tau: float, seed: int = 5):
     with forced(algorithm, _rows_of(inputs.pred), inputs.embeds.shape[-2]):
         return select_actions(inputs.pred, inputs.embeds, mode=mode, tau=tau, mask=inputs.mask,
-                              generator=torch.Generator().manual_seed(seed), backend="triton")  # fmt: skip
+                              generator=torch.Generator().manual_seed(seed), backend="triton",
+                              algorithm=algorithm)  # fmt: skip
 
 
 def _rows_of(pred: torch.Tensor) -> int:
@@ -430,9 +436,9 @@ def test_select_every_path(monkeypatch, case: Case, algorithm, device):
     assert set(launches) == {"select_chunk"} and len(launches) >= 2, launches
     assert_argmax_equal(actions, inputs.pred, inputs.embeds, case.tau, inputs.mask, gap=1e-5)
     for seed in (1, 2):
-        with forced_algorithm(FUSED):
-            fused = select_actions(inputs.pred, inputs.embeds, mode="sample", tau=1e4, mask=inputs.mask,
-                                   generator=torch.Generator().manual_seed(seed), backend="triton")  # fmt: skip
+        fused = select_actions(inputs.pred, inputs.embeds, mode="sample", tau=1e4, mask=inputs.mask,
+                               generator=torch.Generator().manual_seed(seed), backend="triton",
+                               algorithm=FUSED)  # fmt: skip
         chunked = _select(inputs, algorithm, "sample", 1e4, seed=seed)
         assert torch.equal(chunked, fused), f"{int((chunked != fused).sum())} draws differ from the fused kernel's"
 
@@ -450,7 +456,7 @@ def test_select_half_precision(algorithm, device, dtype):
 def test_select_nan_never_chooses_masked(algorithm, device, where):
     """NaN in ``pred`` or the map raises; with checks off every row still gets an available action."""
     with forced(algorithm, 18, 150):
-        check_select_nan("triton", device, where)
+        check_select_nan("triton", device, where, algorithm=algorithm)
 
 
 @pytest.mark.parametrize("algorithm,device", SELECT_PATHS)
@@ -459,7 +465,7 @@ def test_select_overflow_never_chooses_masked(algorithm, device, mode):
     """Logits overflowing to +-inf: rows whose available logits are all -inf take their first available action
     (never the masked action 0), +inf ties the lowest available id."""
     with forced(algorithm, 40, 150):
-        check_select_overflow("triton", device, mode)
+        check_select_overflow("triton", device, mode, algorithm=algorithm)
 
 
 # --- custom ops, host reads, dispatch, memory ----------------------------------------------------------
@@ -467,25 +473,25 @@ def test_select_overflow_never_chooses_masked(algorithm, device, mode):
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
 def test_opcheck(algorithm, device):
-    from icrl_kernels.contrastive.algorithm_ops import infonce_by_algorithm_op, select_actions_by_algorithm_op
+    """The one op of every algorithm (``impl``), every reduction, one run and two (how vmap folds runs)."""
+    from icrl_kernels.contrastive.function import infonce_op, select_actions_op
 
     gen = torch.Generator().manual_seed(73)
     pred = torch.randn(2, 7, 16, generator=gen).to(device).requires_grad_(True)
-    embeds = torch.randn(1, 9, 16, generator=gen).to(device).requires_grad_(True)
+    embeds = torch.randn(9, 16, generator=gen).to(device).requires_grad_(True)
     targets = torch.randint(0, 9, (2, 7), generator=gen).to(device)
     targets[1, 3] = IGNORE
-    mask = torch.ones(2, 1, 16, dtype=torch.uint8, device=device)
-    mask[..., 9:] = 0
+    mask = torch.ones(2, 1, 9, dtype=torch.uint8, device=device)
     with forced(algorithm, 14, 9):
-        for reduction in ("mean", "sum", "none"):
+        for reduction, runs in (("mean", 1), ("sum", 1), ("none", 1), ("mean", 2)):
             for embeds_grad in (True, False):  # the gradients the forward computes are those autograd needs
                 leaf = embeds.detach().requires_grad_(embeds_grad)
-                args = (pred, leaf, targets, mask, 0.7, IGNORE, reduction, True, embeds_grad, algorithm)
-                torch.library.opcheck(infonce_by_algorithm_op, args)
+                args = (pred, leaf, targets, mask, 0.7, IGNORE, reduction, runs, True, embeds_grad, algorithm)
+                torch.library.opcheck(infonce_op, args)
         if algorithm != SMALL:
             seed = torch.tensor([1234], dtype=torch.int64, device=device)
             args = (pred.detach(), embeds.detach(), mask, 0.7, True, seed, algorithm)
-            torch.library.opcheck(select_actions_by_algorithm_op, args)
+            torch.library.opcheck(select_actions_op, args)
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
@@ -505,9 +511,11 @@ def test_no_host_reads(algorithm, device):
     def run():
         for reduction in ("mean", "sum", "none"):
             pred = torch.randn(2, 9, 16, device=device, requires_grad=True)
-            infonce_loss(pred, embeds, targets, mask=mask, reduction=reduction, backend="triton").sum().backward()
+            loss = infonce_loss(pred, embeds, targets, mask=mask, reduction=reduction, backend="triton",
+                                algorithm=algorithm)  # fmt: skip
+            loss.sum().backward()
         for mode in ("argmax", "sample"):
-            select_actions(pred.detach(), embeds, mode=mode, mask=mask, backend="triton")
+            select_actions(pred.detach(), embeds, mode=mode, mask=mask, backend="triton", algorithm=algorithm)
 
     with forced(algorithm, 18, 12):
         run()  # warm-up: imports and first compiles
@@ -527,16 +535,32 @@ def test_dispatch_by_number_of_actions():
         assert select_algorithm(SELECT_CHUNKS_MIN_ACTIONS - 1, dtype) == FUSED
         assert select_algorithm(SELECT_CHUNKS_MIN_ACTIONS, dtype) == ROW_CHUNKS
         assert select_algorithm(10**6, dtype) == HUGE_ALGORITHM
-    with forced_algorithm(ACTION_CHUNKS):
-        assert infonce_algorithm(5, torch.bfloat16) == select_algorithm(5, torch.bfloat16) == ACTION_CHUNKS
-    with forced_algorithm(SMALL):
-        assert select_algorithm(5, torch.bfloat16) == FUSED  # the fused selection kernel is its one-kernel path
-        with pytest.raises(ValueError, match="holds at most 128 actions"):
-            infonce_algorithm(129, torch.bfloat16)
-    assert infonce_algorithm(4096, torch.bfloat16) == ROW_CHUNKS  # the knob is restored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_algorithm_argument(monkeypatch, device):
+    """``algorithm=`` names the table's entry the call runs (``"small"`` asked of a selection runs the fused
+    kernel, its one-kernel path); a name outside the table, ``"small"`` beyond one action tile, and any name but
+    ``"auto"`` off the Triton backend are ValueErrors naming the argument."""
+    launches = launch_spy(monkeypatch)
+    pred = torch.randn(2, 5, 16, device=device)
+    targets = torch.randint(0, 5, (2, 5), device=device)
+    embeds = torch.randn(5, 16, device=device)
+    for algorithm in INFONCE_ALGORITHMS:
+        launches.clear()
+        with forced(algorithm, 10, 5):
+            infonce_loss(pred.requires_grad_(True), embeds, targets, backend="triton", algorithm=algorithm).backward()
+        assert_ran(launches, algorithm)
+        launches.clear()
+        with forced(algorithm, 10, 5):
+            select_actions(pred.detach(), embeds, mode="argmax", backend="triton", algorithm=algorithm)
+        assert set(launches) == ({"select_chunk"} if algorithm in CHUNKED else {"select_actions"}), launches
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        with forced_algorithm("tiled"):
-            pass
+        infonce_loss(pred, embeds, targets, backend="triton", algorithm="tiled")
+    with pytest.raises(ValueError, match="holds at most 128 actions"):
+        infonce_loss(pred, torch.randn(129, 16, device=device), targets, backend="triton", algorithm=SMALL)
+    with pytest.raises(ValueError, match="algorithm='fused' runs on the Triton backend"):
+        select_actions(pred.cpu(), embeds.cpu(), backend="eager", algorithm=FUSED)
 
 
 def test_fp32_keeps_the_kernels_when_tf32_matmuls_are_allowed():
@@ -558,8 +582,10 @@ def test_chunk_sizes_and_peak_memory_at_the_headline_shape():
     rows, actions = chunk_shape(10**6, ACTION_CHUNKS)
     assert actions == ACTION_CHUNK and rows * actions * 4 <= CHUNK_BYTES and rows >= 1024
     assert chunk_shape(10**6, ROW_CHUNKS)[0] == 8  # why huge action sets take action chunks: 8-row GEMMs
-    with forced_algorithm(chunk_bytes=40, action_chunk=3):
+    default = chunk_shape(7, ACTION_CHUNKS)
+    with chunk_sizes(chunk_bytes=40, action_chunk=3):
         assert chunk_shape(7, ACTION_CHUNKS) == (3, 3) and chunk_shape(7, ROW_CHUNKS) == (1, 7)
+    assert chunk_shape(7, ACTION_CHUNKS) == default  # restored on exit
     N, D, A, itemsize = 65536, 512, 4096, 2
     grad_bytes = N * D * itemsize
     for algorithm in INFONCE_ALGORITHMS:
@@ -586,12 +612,12 @@ def test_cuda_graph_replay_matches_eager(algorithm):
 
     def step():
         pred.grad = None
-        infonce_loss(pred, embeds, targets, tau=0.7).backward()
-        return select_actions(pred.detach(), embeds, mode="argmax")
+        infonce_loss(pred, embeds, targets, tau=0.7, algorithm=algorithm).backward()
+        return select_actions(pred.detach(), embeds, mode="argmax", algorithm=algorithm)
 
     previous = set_value_checks("auto")
     try:
-        with forced_algorithm(algorithm, chunk_bytes=4 * 1024 * 4096):
+        with chunk_sizes(chunk_bytes=4 * 1024 * 4096):
             expected_actions = step()
             expected_grad = pred.grad.clone()
             side = torch.cuda.Stream()

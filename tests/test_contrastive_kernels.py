@@ -59,7 +59,8 @@ from icrl_kernels.contrastive import (
     select_actions_reference,
 )
 from icrl_kernels.contrastive import eager as contrastive_eager
-from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, select_actions_op
+from icrl_kernels.contrastive.algorithms import FUSED
+from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, padded_mask, select_actions_op
 from icrl_kernels.modules.action_map import ActionMap
 from icrl_kernels.testing import (
     RMS_TOLERANCE,
@@ -167,18 +168,18 @@ SPLIT_SCENARIOS = [
 @pytest.mark.parametrize("case,dtype,target_programs,split", SPLIT_SCENARIOS)
 def test_grad_embeds_row_split_paths(monkeypatch, case: Case, dtype, target_programs, split, device):
     """Both layouts of the grad_embeds launch, with a spy proving which one ran."""
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels
 
     allocations: list = []
-    real_empty_output = kernels.empty_output
+    real_empty_output = fused_kernels.empty_output
 
     def spy(shape, *, dtype, device):
         allocations.append((tuple(shape), dtype))
         return real_empty_output(shape, dtype=dtype, device=device)
 
-    monkeypatch.setattr(kernels, "empty_output", spy)
+    monkeypatch.setattr(fused_kernels, "empty_output", spy)
     if target_programs is not None:
-        monkeypatch.setattr(kernels, "TARGET_PROGRAMS", target_programs)
+        monkeypatch.setattr(fused_kernels, "TARGET_PROGRAMS", target_programs)
     inputs = make_inputs(case, dtype, device, seed=31)
     check_infonce_parity(inputs, "triton", tau=case.tau, reduction=case.reduction)
     groups = case.pred_shape[0] if case.per_sequence else 1
@@ -402,10 +403,11 @@ def test_float64_accepted_off_triton(backend):
 
 
 def _op_inputs(device: str, masked: bool):
-    """Canonical-layout inputs of the custom ops: pred [B, T, D], embeds [1, A, D], mask uint8 or None."""
+    """Inputs of the custom ops as the public functions pass them: pred [B, T, D], embeds [A, D], the canonical
+    uint8 mask [B, 1, A] or None."""
     gen = torch.Generator().manual_seed(13)
     pred = torch.randn(2, 7, 16, generator=gen).to(device)
-    embeds = torch.randn(1, 9, 16, generator=gen).to(device)
+    embeds = torch.randn(9, 16, generator=gen).to(device)
     mask = random_mask((2, 1, 9), gen) if masked else None
     allowed = expand_mask(mask, (2, 7, 9)).reshape(-1, 9).float()
     targets = torch.multinomial(allowed, 1, generator=gen).reshape(2, 7)
@@ -416,17 +418,22 @@ def _op_inputs(device: str, masked: bool):
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
 def test_opcheck(backend, device):
+    """The ops of the fused kernels (Triton) and of the eager path (``impl``), and their backward op."""
+    impl = "fused" if backend == "triton" else "eager"
     pred, embeds, targets, mask = _op_inputs(device, masked=True)
-    args = (pred.requires_grad_(True), embeds.requires_grad_(True), targets, mask, 0.7, IGNORE, backend)
-    torch.library.opcheck(infonce_op, args)
-    _, lse = infonce_op(*args)
-    grad = torch.rand(targets.shape, device=device)
+    for reduction in ("none", "mean"):
+        args = (pred.requires_grad_(True), embeds.requires_grad_(True), targets, mask, 0.7, IGNORE, reduction, 1,
+                True, True, impl)  # fmt: skip
+        torch.library.opcheck(infonce_op, args)
+    lse = infonce_op(*args)[1]
+    grad = torch.rand((), device=device)
     for needs in ([True, True], [True, False]):
-        backward_args = (grad, pred.detach(), embeds.detach(), targets, mask, lse.detach(), 0.7, IGNORE, backend)
+        backward_args = (grad, pred.detach(), embeds.detach(), targets, mask, lse.detach(), None, None, 0.7, IGNORE,
+                         "mean", 1, impl)  # fmt: skip
         torch.library.opcheck(infonce_backward_op, (*backward_args, needs))
     seed = torch.tensor([1234], dtype=torch.int64, device=device)
-    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), mask, 0.7, True, seed, backend))
-    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, backend))
+    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), mask, 0.7, True, seed, impl))
+    torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, impl))
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -953,14 +960,13 @@ def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
     """The fused forward reports the value checks per row from its own loads (no torch ops of their own):
     its status, row by row, against the conditions the eager path checks with torch ops."""
     from icrl_kernels.contrastive import checks
-    from icrl_kernels.contrastive.function import _padded_mask
-    from icrl_kernels.contrastive.kernels import infonce_forward_triton
+    from icrl_kernels.contrastive.fused_kernels import infonce_forward
 
     device = TRITON_DEVICES[0]
     gen = torch.Generator().manual_seed(num_actions)
     batch, steps, dim, ignore = 3, 13, 16, 5  # an ignore_index that is also an action id
     pred = torch.randn(batch, steps, dim, generator=gen)
-    embeds = torch.randn(1, num_actions, dim, generator=gen)
+    embeds = torch.randn(num_actions, dim, generator=gen)
     targets = torch.randint(-2, num_actions + 2, (batch, steps), generator=gen)
     targets[torch.rand(batch, steps, generator=gen) < 0.2] = ignore
     mask = torch.rand(batch, steps, num_actions, generator=gen) < 0.3
@@ -980,9 +986,9 @@ def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
     expected[~mask.any(-1)] = checks.ROW_NO_ACTION
     assert {int(v) for v in expected.unique()} == ({0, 1, 2, 3} if masked else {0, 2}), "every status must occur"
 
-    mask3 = _padded_mask(mask.to(torch.uint8)).to(device) if masked else None
-    losses, lse, status = infonce_forward_triton(pred.to(device), embeds.to(device), targets.to(device), mask3,
-                                                 0.5, ignore)  # fmt: skip
+    mask3 = padded_mask(mask.to(torch.uint8)).to(device) if masked else None
+    losses, lse, status, _, _ = infonce_forward(pred.to(device), embeds.to(device), targets.to(device), mask3, 0.5,
+                                                ignore, None, False, False)  # fmt: skip
     assert torch.equal(status.cpu(), expected)
     fine = expected == 0
     assert torch.isfinite(losses.cpu()[fine]).all() and torch.isfinite(lse.cpu()[fine]).all()
@@ -1019,7 +1025,6 @@ def test_select_status_flags_each_row_as_the_checks_do(backend, device, num_acti
     actions is fine. Row by row against those conditions computed with torch ops."""
     from icrl_kernels.contrastive import checks
     from icrl_kernels.contrastive.eager import select_actions_eager
-    from icrl_kernels.contrastive.function import _padded_mask
 
     gen = torch.Generator().manual_seed(num_actions)
     batch, steps, dim = 3, 11, 16
@@ -1043,10 +1048,10 @@ def test_select_status_flags_each_row_as_the_checks_do(backend, device, num_acti
 
     seed = torch.tensor([7], device=device)
     if backend == "triton":
-        from icrl_kernels.contrastive.kernels import select_actions_triton
+        from icrl_kernels.contrastive.fused_kernels import select
 
-        mask3 = _padded_mask(mask.to(torch.uint8)).to(device)
-        actions, status = select_actions_triton(pred.to(device), embeds.to(device), mask3, 0.5, mode == "sample", seed)
+        mask3 = padded_mask(mask.to(torch.uint8)).to(device)
+        actions, status = select(pred.to(device), embeds[0].to(device), mask3, 0.5, mode == "sample", seed, 33)
     else:
         actions, status = select_actions_eager(pred, embeds, mask.to(torch.uint8), 0.5, mode == "sample", seed)
     assert torch.equal(status.cpu(), expected)
@@ -1109,12 +1114,10 @@ def _large_tiles():
     interpreter's cost is per program), all with BLOCK_D = 64 so that the backward recomputes the forward's
     logits (test_contrastive_algorithms.py checks the other algorithms)."""
     from icrl_kernels._triton import autotune_configs
-    from icrl_kernels.contrastive import kernels
-    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
+    from icrl_kernels.contrastive import fused_kernels as kernels
     from icrl_kernels.testing import forced_config
 
     stack = contextlib.ExitStack()
-    stack.enter_context(forced_algorithm(FUSED))
     for kernel, rows in ((kernels._infonce_forward_kernel, 128), (kernels._infonce_grad_pred_kernel, 64),
                          (kernels._infonce_grad_embeds_kernel, 64)):  # fmt: skip
         config = next(c for c in autotune_configs(kernel) if c.kwargs["BLOCK_N"] == rows and c.kwargs["BLOCK_D"] == 64)
@@ -1133,6 +1136,7 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
     fp32, truth = check_fp16_gradients(
         pred, embeds, targets, weights, backend=backend, tau=tau, reduction="none",
         context=_large_tiles() if backend == "triton" else contextlib.nullcontext(),
+        algorithm=FUSED if backend == "triton" else "auto",
     )  # fmt: skip
     # Power: scaling by w / tau before the fp16 cast (the old kernels) misses the bound on grad_pred.
     p64, e64 = pred.double(), embeds.double()
@@ -1147,16 +1151,16 @@ def test_fp16_gradients_as_accurate_as_rounded_fp32(backend, device):
 def _launch_spy(monkeypatch):
     """Record ``(kernel name, grid function)`` of every launch of the contrastive kernels."""
     from icrl_kernels._triton import kernel_name
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels
 
     launches: list = []
-    real_launch = kernels.launch
+    real_launch = fused_kernels.launch
 
     def spy(kernel, grid):
         launches.append((kernel_name(kernel), grid))
         return real_launch(kernel, grid)
 
-    monkeypatch.setattr(kernels, "launch", spy)
+    monkeypatch.setattr(fused_kernels, "launch", spy)
     return launches
 
 
@@ -1178,13 +1182,12 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
     config; wider outputs fall back to column blocks. Checked on the launch grids (evaluated for every
     config), with a parity check of the run itself."""
     from icrl_kernels._triton import autotune_configs
-    from icrl_kernels.contrastive import kernels
-    from icrl_kernels.contrastive.algorithms import FUSED, forced_algorithm
+    from icrl_kernels.contrastive import fused_kernels as kernels
 
     launches = _launch_spy(monkeypatch)
     case = Case("width", (7, dim), num_actions, False, None, 0.0, 1.0, "sum")
-    with forced_algorithm(FUSED):  # A = 9 would take the one-kernel algorithm
-        check_infonce_parity(make_inputs(case, dtype, device, seed=dim), "triton", tau=1.0, reduction="sum")
+    inputs = make_inputs(case, dtype, device, seed=dim)  # A = 9 would take the one-kernel algorithm: fused asked
+    check_infonce_parity(inputs, "triton", tau=1.0, reduction="sum", algorithm=FUSED)
     grids = {name: grid for name, grid in launches}
     assert set(grids) == {"infonce_forward", "infonce_grad_pred", "infonce_grad_embeds"}
     for name, index in (("infonce_grad_pred", 0), ("infonce_grad_embeds", 1)):
@@ -1195,7 +1198,7 @@ def test_backward_computes_each_softmax_gradient_once(monkeypatch, device, dim, 
 
 
 def test_autotune_keys_bucket_the_rows():
-    from icrl_kernels.contrastive import kernels
+    from icrl_kernels.contrastive import fused_kernels as kernels
 
     for kernel in (kernels._infonce_forward_kernel, kernels._infonce_grad_pred_kernel,
                    kernels._infonce_grad_embeds_kernel, kernels._select_actions_kernel):  # fmt: skip
@@ -1204,20 +1207,18 @@ def test_autotune_keys_bucket_the_rows():
 
 def test_padded_mask_layout():
     """Misaligned masks (A = 125, strided) get one zero-padded copy, 16-column aligned; aligned ones none."""
-    from icrl_kernels.contrastive.function import _padded_mask
-
     gen = torch.Generator().manual_seed(3)
     for shape in ((1, 1, 125), (3, 1, 125), (3, 4, 125), (3, 4, 7)):
         mask = random_mask(shape, gen).view(torch.uint8)
-        padded = _padded_mask(mask)
+        padded = padded_mask(mask)
         width = -(-shape[-1] // 16) * 16
         assert padded.shape == shape[:-1] + (width,) and padded.stride(-1) == 1
         assert torch.equal(padded[..., : shape[-1]], mask) and not padded[..., shape[-1] :].any()
     aligned = random_mask((3, 4, 128), gen).view(torch.uint8)
-    assert _padded_mask(aligned) is aligned
+    assert padded_mask(aligned) is aligned
     strided = random_mask((3, 128, 4), gen).view(torch.uint8).transpose(1, 2)  # [3, 4, 128], stride 1 on T
-    assert _padded_mask(strided).is_contiguous() and torch.equal(_padded_mask(strided), strided)
-    assert _padded_mask(None) is None
+    assert padded_mask(strided).is_contiguous() and torch.equal(padded_mask(strided), strided)
+    assert padded_mask(None) is None
 
 
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
@@ -1285,7 +1286,7 @@ _OFFLINE_COMPILE = """
 import itertools
 from benchmarks.kernel_tools import compile_offline, config_jobs
 from icrl_kernels.contrastive import chunked_kernels as ck
-from icrl_kernels.contrastive import kernels as k
+from icrl_kernels.contrastive import fused_kernels as k
 from icrl_kernels.contrastive import small_kernels as sk
 
 # benchmarks/bench_infonce.py (docs/performance.md#targets): N = B * T = 6400 rows (B = 32, T = 200), D = 512 and
@@ -1319,6 +1320,7 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         "count_ptr": "*i64", "logits_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32", "hit_ptr": "*fp32",
         "actions_ptr": "*i32", "targets_ok_ptr": "*i32", "best_ptr": "*fp32", "choice_ptr": "*i64",
         "ROW0": 2048, "R": 2048, "A0": 0, "C": A, "stride_lr": A, "stride_gr": A if dtype == "fp32" else 2 * A,
+        "SEED_ROWS": ROWS, "RUN_ROWS": ROWS,  # one run
     }
     flags = {"HAS_MASK": masked, "HALF_DOT": half, "SAMPLE": masked, "DO_FULL": k._do_full(D)}
     info = {"A": A, "D": D, "mask": masked, "dtype": dtype}

@@ -384,7 +384,7 @@ LAUNCHES_PER_CALL = {
     "ngram_attention": (2, 3),
     "ngram_attention (sort path)": (5, 4),
     "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
-    "select_actions (no grad)": (1, 1),
+    "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
     "inject_layer_norm": (2, 7),
     "gated_attention": (4, 3),  # forward, backward preprocess, dk/dv, dq

@@ -86,6 +86,7 @@ def test_sanitizer_parts_cover_every_kernel_file_and_each_selection_finds_tests(
         "ngram/kernels.py": "tests/test_ngram_attention.py", "ngram/tiled_kernels.py": "tests/test_ngram_attention.py",
         "ngram/plan_kernels.py": "tests/test_ngram_plan_kernels.py",
         "contrastive/kernels.py": "tests/test_contrastive_kernels.py", "moa/kernels.py": "tests/test_moa_kernels.py",
+        "contrastive/fused_kernels.py": "tests/test_contrastive_kernels.py",
         "contrastive/small_kernels.py": "tests/test_contrastive_algorithms.py",
         "contrastive/chunked_kernels.py": "tests/test_contrastive_algorithms.py",
         "looped/kernels.py": "tests/test_looped_kernels.py", "smeared/kernels.py": "tests/test_smeared_kernels.py",
@@ -218,7 +219,7 @@ def test_dry_run_infonce_crossover_stage_times_every_algorithm(tmp_path):
     assert gpu_check.main([str(tmp_path), "--stages", "infonce-crossover", "--dry-run"]) == 0
     backends = {bench["extra_info"]["backend"] for bench in json.loads((tmp_path / "infonce-crossover.json")
                                                                        .read_text())["benchmarks"]}  # fmt: skip
-    assert {"small", "fused", "row-chunks", "action-chunks", "row-chunks@16MiB"} <= backends
+    assert {"small", "fused", "row_chunks", "action_chunks", "row_chunks@16MiB"} <= backends
     table = (tmp_path / "infonce-crossover.md").read_text()
     assert "### infonce-crossover" in table and "### select-crossover" in table and "| fastest |" in table
 

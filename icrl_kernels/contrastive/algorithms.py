@@ -1,52 +1,60 @@
-"""Which algorithm computes InfoNCE and action selection on the Triton backend, chosen by the number of actions.
+"""The algorithms of InfoNCE and action selection: one table, and the choice by the number of actions.
 
-The same public functions (:func:`~icrl_kernels.infonce_loss`, :func:`~icrl_kernels.select_actions`,
-``ActionMap``) run one of four algorithms (docs/ops.md#contrastive-action-scoring; their predicted costs are
-in docs/performance.md#infonce-algorithms):
+:func:`~icrl_kernels.infonce_loss` and :func:`~icrl_kernels.select_actions` take ``algorithm=`` (default
+``"auto"``); every name below is an entry of :data:`ALGORITHMS` and the ops run ``ALGORITHMS[name]``'s
+functions (docs/ops.md#contrastive-action-scoring; predicted costs in docs/performance.md#infonce-algorithms):
 
-* :data:`SMALL` (``A`` up to one action tile): ONE kernel computes each row's loss, log-sum-exp and value
-  checks and the gradient for ``pred`` (``softmax - one_hot``, the reduction's row weight and ``1 / tau``
-  folded in), so the backward is a broadcast multiply by the upstream gradient (``small_kernels.py``).
-* :data:`FUSED` (the three-pass kernels of ``kernels.py``): the logits never reach memory; the forward
+* :data:`SMALL` (``A`` up to one action tile; ``small_kernels.py``): ONE kernel computes each row's loss,
+  log-sum-exp and value checks and the gradient for ``pred`` (``softmax - one_hot``, the reduction's row weight
+  and ``1 / tau`` folded in), so the backward is a broadcast multiply by the upstream gradient.
+* :data:`FUSED` (the three-pass kernels of ``fused_kernels.py``): the logits never reach memory; the forward
   streams action tiles through an online log-sum-exp, the backward recomputes them.
-* :data:`ROW_CHUNKS`: per chunk of rows, a cuBLAS GEMM writes the chunk's fp32 logits (sized to stay in
-  L2), ONE Triton kernel turns them into losses, log-sum-exps and statuses and overwrites them in place with
-  the gradient operand ``(softmax - one_hot) * w``, and GEMMs give the gradients for ``pred`` and, when
-  asked, the map (``chunked.py``, ``chunked_kernels.py``).
-* :data:`ACTION_CHUNKS`: the same over (row chunk, action chunk) blocks, for action sets too large for a
-  chunk of rows: a first sweep carries each row's online log-sum-exp across the action chunks, a second
-  recomputes each block's logits for the gradients.
+* :data:`ROW_CHUNKS` (``chunked.py``, ``chunked_kernels.py``): per chunk of rows, a cuBLAS GEMM writes the chunk's
+  fp32 logits (sized to stay in L2), ONE Triton kernel turns them into losses, log-sum-exps and statuses and
+  overwrites them in place with the gradient operand ``(softmax - one_hot) * w``, and GEMMs give the gradients
+  for ``pred`` and, when asked, the map.
+* :data:`ACTION_CHUNKS`: the same over (row chunk, action chunk) blocks, for action sets too large for a chunk
+  of rows: a first sweep carries each row's online log-sum-exp across the action chunks, a second recomputes
+  each block's logits for the gradients.
+* :data:`EAGER` (``eager.py``): the PyTorch path in row chunks (what CPU tensors run without Triton); it is
+  what ``backend="eager"`` means, and never chosen on the Triton backend.
 
-The loss algorithms other than :data:`FUSED` compute the gradients in the forward when the reduction is
-``"mean"`` or ``"sum"`` (the upstream gradient is then one scalar: the backward scales); with
+The algorithms other than :data:`FUSED` and :data:`EAGER` compute the gradients in the forward when the
+reduction is ``"mean"`` or ``"sum"`` (the upstream gradient is then one scalar: the backward scales); with
 ``reduction="none"`` the backward runs them again with the upstream row weights.
 
-Selection (argmax and Gumbel-max sampling) has no gradient: :data:`FUSED` is its one-kernel path (also
-what :data:`SMALL` means for it), and the two chunked algorithms run the same GEMM chunks with a Triton
-argmax / Gumbel-max kernel carrying each row's running best across action chunks.
+Selection (argmax and Gumbel-max sampling) has no gradient: :data:`FUSED` is its one-kernel path (also what
+:data:`SMALL` means for it), and the two chunked algorithms run the same GEMM chunks with a Triton argmax /
+Gumbel-max kernel carrying each row's running best across action chunks.
 
-**The thresholds below are placeholders**, estimates made before any GPU measured the new algorithms;
+**The thresholds below are placeholders**, estimates made before any GPU measured the algorithms;
 ``benchmarks/bench_infonce.py::test_infonce_crossover`` and ``test_select_crossover`` (stage
-``infonce-crossover`` of ``benchmarks/gpu_check.py``) time every algorithm over ``A`` = 125..10^6 and set
-them (benchmarks/results/README.md says what that run must measure). :func:`forced_algorithm` pins an
-algorithm (and the chunk sizes) for tests and for that sweep.
+``infonce-crossover`` of ``benchmarks/gpu_check.py``) time every algorithm over ``A`` = 125..10^6 and set them
+(benchmarks/results/README.md says what that run must measure).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+import contextvars
+import importlib
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 
 SMALL = "small"
 FUSED = "fused"
-ROW_CHUNKS = "row-chunks"
-ACTION_CHUNKS = "action-chunks"
+ROW_CHUNKS = "row_chunks"
+ACTION_CHUNKS = "action_chunks"
+EAGER = "eager"
+AUTO = "auto"
+#: The Triton algorithms of InfoNCE, each a valid ``algorithm=`` of :func:`~icrl_kernels.infonce_loss`.
 INFONCE_ALGORITHMS = (SMALL, FUSED, ROW_CHUNKS, ACTION_CHUNKS)
-#: Selection's algorithms; :data:`SMALL` forced on a selection runs :data:`FUSED`, its one-kernel path.
+#: Selection's distinct algorithms; :data:`SMALL` asked of a selection runs :data:`FUSED`, its one-kernel path.
 SELECT_ALGORITHMS = (FUSED, ROW_CHUNKS, ACTION_CHUNKS)
+#: What ``algorithm=`` accepts.
+ALGORITHM_CHOICES = (AUTO, *INFONCE_ALGORITHMS)
 
 # -- thresholds (placeholders until the GPU crossover sweep measures them; see the module doc) ---------
 #: Largest action set of :data:`SMALL`: one action tile (``kernels.MAX_BLOCK_A``), a hard limit of the kernel,
@@ -77,44 +85,88 @@ ACTION_CHUNK = 4096
 CHUNK_ROW_MULTIPLE = 64
 
 
-@dataclass
-class _Knobs:
-    """Private overrides (:func:`forced_algorithm`): ``None`` keeps the default."""
+class Algorithm(NamedTuple):
+    """One entry of :data:`ALGORITHMS`: how one algorithm computes InfoNCE and selection.
 
-    algorithm: str | None = None
-    chunk_bytes: int | None = None
-    action_chunk: int | None = None
+    The functions take the op's inputs as the public functions pass them (``pred [N, D]``, ``[B, T, D]`` or,
+    with one map per sequence, ``[B, D]``; ``embeds [A, D]`` or ``[B, A, D]``, last dimension contiguous; int64
+    contiguous ``targets`` of ``pred.shape[:-1]``; the canonical uint8 mask ``[1 or B, 1 or T, A_pad]`` (16-column
+    aligned for the Triton algorithms) or None; see :mod:`.function`):
 
-
-_knobs = _Knobs()
-
-
-@contextlib.contextmanager
-def forced_algorithm(
-    algorithm: str | None = None, *, chunk_bytes: int | None = None, action_chunk: int | None = None
-) -> Iterator[None]:
-    """Within the block, every InfoNCE and selection call on the Triton backend runs ``algorithm`` (one of
-    :data:`INFONCE_ALGORITHMS`; ``None``: chosen by ``A`` as usual), with chunks of ``chunk_bytes`` of fp32
-    logits and ``action_chunk`` actions where given. A private knob for tests (tiny chunks, so that several
-    run at small sizes) and for the crossover sweep; not thread-safe. Restores the previous values on exit.
-
-    Raises:
-        ValueError: an unknown algorithm, or a chunk size below 4 bytes / 1 action.
+    * ``infonce_forward(pred, embeds, targets, mask, tau, ignore_index, count, want_pred, want_embeds)`` ->
+      ``(losses, lse, status, grad_pred, grad_embeds)``: float32 per-row losses and log-sum-exps and the int8
+      per-row status of the value checks (``checks.ROW_*``; None where the algorithm checks the values itself),
+      and, with ``want_pred`` / ``want_embeds``, the gradients of the reduced loss for an upstream gradient of 1
+      (row weight ``1 / count[run]`` for ``"mean"``, ``count`` an int64 ``[runs]`` tensor of each run's
+      non-ignored rows over equal slices of the rows; 1 for ``"sum"``, ``count`` None); None where not asked.
+    * ``infonce_backward(weights, pred, embeds, targets, mask, lse, tau, ignore_index, want_pred, want_embeds)`` ->
+      ``(grad_pred, grad_embeds)`` (None where not asked) for float32 per-row loss gradients ``weights`` (0 on
+      ignored rows); ``lse`` is the forward's (None where the algorithm recomputes it).
+    * ``select(pred, embeds, mask, tau, sample, seed, seed_rows)`` -> ``(actions, status)``: int64 ids and int8
+      statuses of ``pred.shape[:-1]``; ``seed`` holds int64 seeds, flat row ``r`` drawing its Gumbel noise from
+      ``seed[r // seed_rows]`` at counter ``(r % seed_rows) * A + action`` (one seed per run under ``vmap``).
     """
-    if algorithm is not None and algorithm not in INFONCE_ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {INFONCE_ALGORITHMS} or None, got {algorithm!r}")
-    if chunk_bytes is not None and chunk_bytes < 4:
-        raise ValueError(f"chunk_bytes must hold at least one fp32 logit, got {chunk_bytes}")
-    if action_chunk is not None and action_chunk < 1:
-        raise ValueError(f"action_chunk must be >= 1, got {action_chunk}")
-    previous = _Knobs(**vars(_knobs))
-    _knobs.algorithm, _knobs.chunk_bytes, _knobs.action_chunk = algorithm, chunk_bytes, action_chunk
-    try:
-        yield
-    finally:
-        _knobs.algorithm, _knobs.chunk_bytes, _knobs.action_chunk = (
-            previous.algorithm, previous.chunk_bytes, previous.action_chunk
-        )  # fmt: skip
+
+    name: str
+    gradients_in_forward: bool
+    infonce_forward: Callable
+    infonce_backward: Callable
+    select: Callable
+
+
+#: ``name -> (module, whether it computes the gradients in the forward)``: the modules are imported on first
+#: use (all but ``eager`` need Triton), each exporting ``infonce_forward``, ``infonce_backward`` and ``select``
+#: (the chunked module one set per chunked algorithm, prefixed ``row_chunks_`` / ``action_chunks_``).
+_MODULES = {
+    SMALL: ("small_kernels", True),
+    FUSED: ("fused_kernels", False),
+    ROW_CHUNKS: ("chunked", True),
+    ACTION_CHUNKS: ("chunked", True),
+    EAGER: ("eager", False),
+}
+ALGORITHMS: dict[str, Algorithm] = {}
+
+
+def algorithm_entry(name: str) -> Algorithm:
+    """``ALGORITHMS[name]``, importing its module on first use."""
+    entry = ALGORITHMS.get(name)
+    if entry is None:
+        module_name, gradients_in_forward = _MODULES[name]
+        module = importlib.import_module(f"{__package__}.{module_name}")
+        prefix = f"{name}_" if module_name == "chunked" else ""
+        entry = Algorithm(
+            name,
+            gradients_in_forward,
+            getattr(module, prefix + "infonce_forward"),
+            getattr(module, prefix + "infonce_backward"),
+            getattr(module, prefix + "select"),
+        )
+        ALGORITHMS[name] = entry
+    return entry
+
+
+def canonical_views(pred: torch.Tensor, embeds: torch.Tensor, *row_tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``pred [B, T, D]``, ``embeds [1 or B, A, D]`` and each per-row tensor ``[B, T]``: views of an entry's
+    inputs (``[N, D]`` is one sequence of ``N`` steps, per-sequence ``[B, D]`` ``B`` one-step sequences), for the
+    algorithms that index sequences and steps on the host (chunked, eager)."""
+    per_sequence = embeds.dim() == 3
+    pred3 = pred if pred.dim() == 3 else (pred[:, None] if per_sequence else pred[None])
+    embeds3 = embeds if per_sequence else embeds[None]
+    return (pred3, embeds3, *(t.view(pred3.shape[:2]) for t in row_tensors))
+
+
+def row_weights(targets: torch.Tensor, ignore_index: int, count: torch.Tensor | None) -> torch.Tensor:
+    """float32 per-row weights of the reduced loss's gradients (``Algorithm.infonce_forward``): ``1 / count[run]``
+    on non-ignored rows (``count``: each run's non-ignored rows, over equal slices of the flat rows), or 1 where
+    ``count`` is None (``"sum"``); 0 on ignored rows. Where every row of a run is ignored, ``1 / 0`` is taken by
+    no row (the reference's gradients are then 0)."""
+    used = targets != ignore_index
+    if count is None:
+        return used.float()
+    scale = 1.0 / count
+    if count.dim() > 0:  # one count per run: each row takes its run's
+        scale = scale.repeat_interleave(targets.numel() // count.numel()).view(targets.shape)
+    return torch.where(used, scale, 0.0)
 
 
 def _fp32_gemms_are_ieee() -> bool:
@@ -127,16 +179,7 @@ def _fp32_gemms_are_ieee() -> bool:
 
 
 def infonce_algorithm(num_actions: int, dtype: torch.dtype) -> str:
-    """The algorithm of an InfoNCE call with ``num_actions`` actions and inputs of ``dtype`` (module doc).
-
-    Raises:
-        ValueError: :data:`SMALL` forced with more than :data:`SMALL_MAX_ACTIONS` actions.
-    """
-    forced = _knobs.algorithm
-    if forced is not None:
-        if forced == SMALL and num_actions > SMALL_MAX_ACTIONS:
-            raise ValueError(f"algorithm {SMALL!r} holds at most {SMALL_MAX_ACTIONS} actions, got A = {num_actions}")
-        return forced
+    """The algorithm ``"auto"`` runs for an InfoNCE call with ``num_actions`` actions and inputs of ``dtype``."""
     if num_actions <= SMALL_MAX_ACTIONS:
         return SMALL
     if num_actions < ROW_CHUNKS_MIN_ACTIONS or (dtype == torch.float32 and not _fp32_gemms_are_ieee()):
@@ -145,13 +188,43 @@ def infonce_algorithm(num_actions: int, dtype: torch.dtype) -> str:
 
 
 def select_algorithm(num_actions: int, dtype: torch.dtype) -> str:
-    """The algorithm of a selection with ``num_actions`` actions and inputs of ``dtype`` (module doc)."""
-    forced = _knobs.algorithm
-    if forced is not None:
-        return FUSED if forced == SMALL else forced
+    """The algorithm ``"auto"`` runs for a selection with ``num_actions`` actions and inputs of ``dtype``."""
     if num_actions < SELECT_CHUNKS_MIN_ACTIONS or (dtype == torch.float32 and not _fp32_gemms_are_ieee()):
         return FUSED
     return ROW_CHUNKS if num_actions < HUGE_MIN_ACTIONS else HUGE_ALGORITHM
+
+
+def depends_on_matmul_precision(num_actions: int, dtype: torch.dtype) -> bool:
+    """Whether ``"auto"`` may change with torch's fp32 matmul precision (a setting that can change between
+    calls): fp32 inputs at action counts where a chunked algorithm could run."""
+    return dtype == torch.float32 and num_actions >= min(ROW_CHUNKS_MIN_ACTIONS, SELECT_CHUNKS_MIN_ACTIONS)
+
+
+# -- chunk sizes (a private, per-context override for tests and the crossover sweep) -------------------
+_chunk_sizes: contextvars.ContextVar[tuple[int | None, int | None]] = contextvars.ContextVar(
+    "icrl_contrastive_chunk_sizes", default=(None, None)
+)
+
+
+@contextlib.contextmanager
+def chunk_sizes(*, chunk_bytes: int | None = None, action_chunk: int | None = None) -> Iterator[None]:
+    """Within the block (in this thread or task only: a ``contextvars`` override), the chunked algorithms use
+    chunks of ``chunk_bytes`` of fp32 logits and ``action_chunk`` actions where given (``None``: the defaults,
+    :data:`CHUNK_BYTES`, :data:`ACTION_CHUNK`). A private knob for tests (tiny chunks, so that several run at
+    small sizes) and for the crossover sweep.
+
+    Raises:
+        ValueError: a chunk size below 4 bytes / 1 action.
+    """
+    if chunk_bytes is not None and chunk_bytes < 4:
+        raise ValueError(f"chunk_bytes must hold at least one fp32 logit, got {chunk_bytes}")
+    if action_chunk is not None and action_chunk < 1:
+        raise ValueError(f"action_chunk must be >= 1, got {action_chunk}")
+    token = _chunk_sizes.set((chunk_bytes, action_chunk))
+    try:
+        yield
+    finally:
+        _chunk_sizes.reset(token)
 
 
 def chunk_shape(num_actions: int, algorithm: str) -> tuple[int, int]:
@@ -159,11 +232,11 @@ def chunk_shape(num_actions: int, algorithm: str) -> tuple[int, int]:
     :data:`ROW_CHUNKS` and :data:`ACTION_CHUNK` (at most) for :data:`ACTION_CHUNKS`; ``rows`` fills
     :data:`CHUNK_BYTES` of fp32 logits, rounded down to a multiple of :data:`CHUNK_ROW_MULTIPLE` when larger,
     and at least 1."""
-    chunk_bytes = _knobs.chunk_bytes or CHUNK_BYTES
+    chunk_bytes, action_chunk = _chunk_sizes.get()
     actions = num_actions
     if algorithm == ACTION_CHUNKS:
-        actions = min(num_actions, _knobs.action_chunk or ACTION_CHUNK)
-    rows = chunk_bytes // (4 * actions)
+        actions = min(num_actions, action_chunk or ACTION_CHUNK)
+    rows = (chunk_bytes or CHUNK_BYTES) // (4 * actions)
     if rows >= 2 * CHUNK_ROW_MULTIPLE:
         rows -= rows % CHUNK_ROW_MULTIPLE
     return max(1, rows), actions

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._backend import resolve_backend
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -22,6 +23,18 @@ from .._validation import (
     check_status_codes,
     check_tensor,
     check_values,
+    value_checks,
+)
+from .algorithms import (
+    ALGORITHM_CHOICES,
+    AUTO,
+    EAGER,
+    FUSED,
+    SMALL,
+    SMALL_MAX_ACTIONS,
+    depends_on_matmul_precision,
+    infonce_algorithm,
+    select_algorithm,
 )
 
 IGNORE_INDEX = -100
@@ -41,17 +54,140 @@ def _range_message(num_actions: int, ignore_index: int) -> str:
     return f"targets must lie in [0, {num_actions}) or equal ignore_index={ignore_index}"
 
 
-class Canonical(NamedTuple):
-    """Inputs in the layout every path shares: ``pred [B, T, D]``, ``embeds [1 or B, A, D]`` (1: one
-    map shared by all rows), ``mask [1 or B, 1 or T, A]`` uint8 (strided views, no copies) or None."""
+class Plan(NamedTuple):
+    """What the checks of one argument signature decided (:func:`infonce_plan`, :func:`select_plan`).
 
-    pred: torch.Tensor
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
+    ``impl``: ``"reference"``, an entry of ``algorithms.ALGORITHMS`` (``"eager"`` or a Triton algorithm), or
+    ``"auto"`` where the Triton algorithm depends on torch's fp32 matmul precision at the call
+    (``algorithms.depends_on_matmul_precision``). ``mask_shape``: the mask's canonical view
+    ``[1 or B, 1 or T, A]`` (uint8; None without a mask). ``tau`` and ``ignore_index`` (0 for a selection) as a
+    Python float and int."""
+
+    impl: str
+    num_actions: int
+    mask_shape: tuple[int, ...] | None
+    tau: float
+    ignore_index: int
 
 
-def canonical(pred: object, action_embeds: object, mask: object) -> Canonical:
-    """Validate shapes, dtypes and devices; return the canonical layout (views of the inputs).
+#: Plans of the argument signatures seen (:func:`infonce_plan`, :func:`select_plan`): a repeated call checks its
+#: arguments in one dictionary lookup. Bounded: cleared when full (a program uses a handful of signatures).
+_PLANS: dict[tuple, Plan] = {}
+MAX_PLANS = 4096
+
+
+def _remember(key: tuple | None, plan: Plan) -> Plan:
+    if key is not None and not torch.compiler.is_compiling():  # no side effects on a dict Dynamo would guard
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _signature(op: str, pred, action_embeds, mask, tau, algorithm, backend, *extra) -> tuple | None:
+    """The key of a call's arguments: every property the argument checks read (each tensor's class, shape,
+    dtype and device; each option's class and value), or None where one is not hashable (no cache then)."""
+    try:
+        key = (
+            op, pred.__class__, pred.shape, pred.dtype, pred.device,
+            action_embeds.__class__, action_embeds.shape, action_embeds.dtype, action_embeds.device,
+            None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device),
+            tau.__class__, tau, algorithm, backend, *extra,
+        )  # fmt: skip
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_index, algorithm, backend) -> Plan:
+    """The argument checks of :func:`~icrl_kernels.infonce_loss` (and, with ``backend="reference"``, its checked
+    reference), once per argument signature: a repeated signature costs one lookup; a new one is checked in
+    full (no tensor value is read) and its plan kept.
+
+    Raises:
+        TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); ``targets`` not an integer
+        tensor of shape ``pred.shape[:-1]`` on ``pred``'s device; ``tau`` not > 0 and finite; an unknown
+        ``reduction``, ``algorithm`` or ``backend``; a non-int ``ignore_index``; ``algorithm`` other than
+        ``"auto"`` where the backend is not Triton, ``"small"`` beyond its action tile; a dtype the backend does
+        not take.
+    """
+    key = None
+    if not torch.compiler.is_compiling():  # Dynamo traces the checks (constant-folded), without the cache
+        try:
+            extra = (targets.__class__, targets.shape, targets.dtype, targets.device, reduction,
+                     ignore_index.__class__, ignore_index)  # fmt: skip
+        except AttributeError:
+            extra = None
+        key = (
+            None if extra is None else _signature("infonce", pred, action_embeds, mask, tau, algorithm, backend, *extra)
+        )
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            return plan
+    mask_shape = check_pred_and_map(pred, action_embeds, mask)
+    check_tensor(targets, "targets", dtypes=INT_DTYPES)
+    if tuple(targets.shape) != tuple(pred.shape[:-1]):
+        want = tuple(pred.shape[:-1])
+        raise ValueError(f"targets must have shape pred.shape[:-1] = {want}, got {tuple(targets.shape)}")
+    check_same_device(pred=pred, targets=targets)
+    tau = check_positive_float(tau, "tau")
+    check_choice(reduction, "reduction", REDUCTIONS)
+    ignore_index = check_int(ignore_index, "ignore_index")
+    num_actions = action_embeds.shape[-2]
+    impl = _implementation(pred, num_actions, algorithm, backend, select=False)
+    return _remember(key, Plan(impl, num_actions, mask_shape, tau, ignore_index))
+
+
+def select_plan(pred, action_embeds, *, mode, tau, mask, generator, algorithm, backend) -> Plan:
+    """The argument checks of :func:`~icrl_kernels.select_actions`, once per argument signature (as
+    :func:`infonce_plan`).
+
+    Raises:
+        TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); an unknown ``mode``,
+        ``algorithm`` or ``backend``, ``tau`` not > 0 and finite, a ``generator`` that is not a
+        ``torch.Generator``; ``algorithm`` other than ``"auto"`` where the backend is not Triton.
+    """
+    check_generator(generator)  # not part of the signature: any generator object
+    key = None
+    if not torch.compiler.is_compiling():
+        key = _signature("select", pred, action_embeds, mask, tau, algorithm, backend, mode)
+        plan = _PLANS.get(key) if key is not None else None
+        if plan is not None:
+            return plan
+    mask_shape = check_pred_and_map(pred, action_embeds, mask)
+    check_choice(mode, "mode", SELECTION_MODES)
+    tau = check_positive_float(tau, "tau")
+    num_actions = action_embeds.shape[-2]
+    impl = _implementation(pred, num_actions, algorithm, backend, select=True)
+    return _remember(key, Plan(impl, num_actions, mask_shape, tau, 0))
+
+
+def _implementation(pred: torch.Tensor, num_actions: int, algorithm: object, backend: object, *, select: bool) -> str:
+    """``Plan.impl``: the backend (``resolve_backend``), then, on Triton, the algorithm (``algorithm`` checked)."""
+    check_choice(algorithm, "algorithm", ALGORITHM_CHOICES)
+    impl = resolve_backend(backend, pred.device, kernel_inputs={"pred": pred})  # action_embeds has pred's dtype
+    if impl != "triton":
+        if algorithm != AUTO:
+            raise ValueError(
+                f"algorithm={algorithm!r} runs on the Triton backend, but backend={backend!r} resolved to {impl!r}"
+            )
+        return EAGER if impl == "eager" else impl
+    if algorithm == AUTO:
+        if depends_on_matmul_precision(num_actions, pred.dtype):
+            return AUTO
+        return (select_algorithm if select else infonce_algorithm)(num_actions, pred.dtype)
+    if algorithm == SMALL and select:
+        return FUSED  # the fused selection kernel is the small algorithm's one-kernel path
+    if algorithm == SMALL and num_actions > SMALL_MAX_ACTIONS:
+        raise ValueError(f"algorithm={SMALL!r} holds at most {SMALL_MAX_ACTIONS} actions, got A = {num_actions}")
+    return algorithm
+
+
+def check_pred_and_map(pred: object, action_embeds: object, mask: object) -> tuple[int, ...] | None:
+    """Validate the shapes, dtypes and devices of ``pred``, ``action_embeds`` and ``mask``; return the mask's
+    canonical shape ``[1 or B, 1 or T, A]`` (None without a mask): ``[N, D]`` predictions are one sequence of
+    ``N`` steps, per-sequence ``[B, D]`` ones ``B`` sequences of one step.
 
     Args:
         pred: ``[N, D]`` or ``[B, T, D]`` (``[B, D]`` with per-sequence maps), float, nonempty.
@@ -82,85 +218,30 @@ def canonical(pred: object, action_embeds: object, mask: object) -> Canonical:
             f"per-sequence action_embeds [B, A, D] must have pred's batch size {pred.shape[0]}, "
             f"got shape {tuple(action_embeds.shape)}"
         )
-    pred3 = pred if pred.dim() == 3 else (pred[:, None] if per_sequence else pred[None])
-    embeds3 = action_embeds if per_sequence else action_embeds[None]
     if mask is None:
-        return Canonical(pred3, embeds3, None)
+        return None
     check_tensor(mask, "mask", dtypes=(torch.bool,))
     check_same_device(pred=pred, mask=mask)
-    full = tuple(pred.shape[:-1]) + (num_actions,)
-    if tuple(mask.shape) == (num_actions,):
-        mask3 = mask[None, None]
-    elif tuple(mask.shape) == full:
-        mask3 = mask.reshape(pred3.shape[:2] + (num_actions,))
-    elif pred.dim() == 3 and tuple(mask.shape) == (pred.shape[0], num_actions):
-        mask3 = mask[:, None]
+    rows = tuple(pred.shape[:-1])
+    if pred.dim() == 3:
+        batch, steps = rows
     else:
-        per_seq = f", [B, A] = {(pred.shape[0], num_actions)}" if pred.dim() == 3 else ""
-        raise ValueError(f"mask must have shape [A] = ({num_actions},){per_seq} or {full}, got {tuple(mask.shape)}")
-    return Canonical(pred3, embeds3, mask3.view(torch.uint8))
+        batch, steps = (rows[0], 1) if per_sequence else (1, rows[0])
+    if tuple(mask.shape) == (num_actions,):
+        return (1, 1, num_actions)
+    if tuple(mask.shape) == rows + (num_actions,):
+        return (batch, steps, num_actions)
+    if pred.dim() == 3 and tuple(mask.shape) == (pred.shape[0], num_actions):
+        return (batch, 1, num_actions)
+    per_seq = f", [B, A] = {(pred.shape[0], num_actions)}" if pred.dim() == 3 else ""
+    raise ValueError(
+        f"mask must have shape [A] = ({num_actions},){per_seq} or {rows + (num_actions,)}, got {tuple(mask.shape)}"
+    )
 
 
-def check_targets(targets: object, pred: torch.Tensor) -> torch.Tensor:
-    """``targets``: an integer tensor of shape ``pred.shape[:-1]`` on ``pred``'s device; return it."""
-    check_tensor(targets, "targets", dtypes=INT_DTYPES)
-    if tuple(targets.shape) != tuple(pred.shape[:-1]):
-        want = tuple(pred.shape[:-1])
-        raise ValueError(f"targets must have shape pred.shape[:-1] = {want}, got {tuple(targets.shape)}")
-    check_same_device(pred=pred, targets=targets)
-    return targets
-
-
-class InfoNCEArgs(NamedTuple):
-    """The checked arguments of :func:`infonce_loss`: the canonical layout, int64 ``targets``, ``tau`` and
-    ``ignore_index`` as Python numbers."""
-
-    canonical: Canonical
-    targets: torch.Tensor
-    tau: float
-    ignore_index: int
-
-
-def check_infonce_args(
-    pred: object,
-    action_embeds: object,
-    targets: object,
-    *,
-    tau: object,
-    mask: object,
-    reduction: object,
-    ignore_index: object,
-) -> InfoNCEArgs:
-    """The argument checks of :func:`infonce_loss` and its reference (no tensor value is read).
-
-    Raises:
-        TypeError/ValueError naming the argument (see :func:`canonical`, :func:`check_targets`); ``tau``
-        not > 0 and finite, an unknown ``reduction``, a non-int ``ignore_index``.
-    """
-    canonical_inputs = canonical(pred, action_embeds, mask)
-    targets = check_targets(targets, pred)
-    tau = check_positive_float(tau, "tau")
-    check_choice(reduction, "reduction", REDUCTIONS)
-    ignore_index = check_int(ignore_index, "ignore_index")
-    # int64 before comparing with ignore_index: -100 would wrap around in uint8.
-    return InfoNCEArgs(canonical_inputs, targets.long(), tau, ignore_index)
-
-
-def check_select_actions_args(
-    pred: object, action_embeds: object, *, mode: object, tau: object, mask: object, generator: object
-) -> tuple[Canonical, float]:
-    """The argument checks of :func:`select_actions` (no tensor value is read); return the canonical
-    layout and ``tau`` as a float.
-
-    Raises:
-        TypeError/ValueError naming the argument (see :func:`canonical`); an unknown ``mode``, ``tau`` not
-        > 0 and finite, a ``generator`` that is not a ``torch.Generator``.
-    """
-    canonical_inputs = canonical(pred, action_embeds, mask)
-    check_choice(mode, "mode", SELECTION_MODES)
-    tau = check_positive_float(tau, "tau")
-    check_generator(generator)
-    return canonical_inputs, tau
+def canonical_mask(mask: torch.Tensor | None, plan: Plan) -> torch.Tensor | None:
+    """The checked ``mask`` as the ops take it: a uint8 view of shape ``plan.mask_shape`` (no copy)."""
+    return None if mask is None else mask.view(torch.uint8).view(plan.mask_shape)
 
 
 def check_gumbel(gumbel: object, pred: torch.Tensor, action_embeds: torch.Tensor) -> None:
@@ -211,6 +292,8 @@ def check_row_status(
     per-row status the fused forward wrote (``ROW_*`` codes) instead of from torch ops of their own:
     the same messages in the same order where checks are synchronous; one device assert on CUDA, so a
     call costs three small ops instead of 8 (22 with a mask)."""
+    if value_checks() == "off":  # before building any message
+        return
     range_message = _range_message(num_actions, ignore_index)
     check_status_codes(
         status,
@@ -228,6 +311,8 @@ def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: tor
     """The value checks of the selection, from the per-row status it wrote: a mask row with no available
     action (``ROW_NO_ACTION``), then a NaN logit of an available action (``ROW_NAN_LOGIT``); one device
     assert on CUDA (three ops, where a separate mask check and NaN check took eight)."""
+    if value_checks() == "off":  # before building any message
+        return
     check_status_codes(
         status,
         (

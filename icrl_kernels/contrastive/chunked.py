@@ -1,7 +1,10 @@
-"""Row- and action-chunked InfoNCE and action selection: cuBLAS GEMMs around Triton row kernels.
+"""The ``row_chunks`` and ``action_chunks`` algorithms of InfoNCE and action selection (``algorithms.ROW_CHUNKS``,
+``algorithms.ACTION_CHUNKS``): cuBLAS GEMMs around Triton row kernels.
 
-Works on the canonical layout of :mod:`.function` (``pred [B, T, D]`` and ``embeds [1 or B, A, D]``
-contiguous, ``targets [B, T]`` int64, the padded uint8 ``mask`` or None). Rows are the flattened ``[B, T]``
+The entry functions (``row_chunks_infonce_forward``, ..., ``action_chunks_select``: the two algorithms' entries
+of ``algorithms.ALGORITHMS``) view their inputs in a canonical layout (``pred [B, T, D]`` and
+``embeds [1 or B, A, D]`` contiguous, ``targets [B, T]`` int64, the padded uint8 ``mask`` or None). Rows are the
+flattened ``[B, T]``
 grid; a chunk is a contiguous range of them (with a shared map any range; with one map per sequence, whole
 sequences or a slice of one sequence's steps, so that each GEMM multiplies rows by their own map). For each
 chunk of rows and each chunk of actions (one, the whole set, for :data:`~.algorithms.ROW_CHUNKS`):
@@ -26,13 +29,14 @@ CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 
 from .._library import empty_output
-from .algorithms import chunk_shape
+from .algorithms import ACTION_CHUNKS, ROW_CHUNKS, canonical_views, chunk_shape, row_weights
 
 #: ``torch.mm`` / ``torch.bmm`` take ``out_dtype`` (torch >= 2.8): fp32 output of half-precision GEMMs on CUDA.
 _GEMM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
@@ -176,9 +180,9 @@ def _gradient_gemms(chunk: RowChunk, operand, embeds, start: int, stop: int, acc
     return product if accumulated is None else accumulated.add_(product)
 
 
-def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, algorithm: str):
+def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, seed_rows: int, algorithm: str):
     """Chunked selection on canonical inputs: ``([B, T] int64 actions, [B, T] int8 status)`` as
-    :func:`.kernels.select_actions_triton` returns them (the same Gumbel draw per ``(row, action)``)."""
+    :func:`.fused_kernels.select` returns them (the same Gumbel draw per ``(row, action)``)."""
     # Imported here, where the kernels run: the module itself imports without triton.
     from .chunked_kernels import (
         RowState,
@@ -196,7 +200,55 @@ def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Ten
             stop = min(start + action_chunk, num_actions)
             select_chunk_triton(
                 _block_logits(chunk, embeds, start, stop), mask, seed, outputs, state, row0=chunk.start,
-                action0=start, num_actions=num_actions, steps=steps, tau=tau, sample=sample, first=start == 0,
-                last=stop == num_actions,
+                action0=start, num_actions=num_actions, steps=steps, seed_rows=seed_rows, tau=tau, sample=sample,
+                first=start == 0, last=stop == num_actions,
             )  # fmt: skip
     return outputs
+
+
+# -- the algorithms' entries (algorithms.Algorithm) -----------------------------------------------------------
+def _infonce_forward(
+    algorithm: str, pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred, want_embeds
+):  # fmt: skip
+    weights = row_weights(targets, ignore_index, count) if want_pred or want_embeds else None
+    return _infonce(algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds)
+
+
+def _infonce(algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds):
+    """:func:`infonce_chunked` on the entries' inputs; outputs in their shapes."""
+    pred3, embeds3, targets2 = canonical_views(pred, embeds, targets)
+    losses, lse, status, grad_pred, grad_embeds = infonce_chunked(
+        pred3.contiguous(), embeds3.contiguous(), targets2, mask, tau, ignore_index, algorithm,
+        weights=None if weights is None else weights.view(targets2.shape), want_pred=want_pred,
+        want_embeds=want_embeds,
+    )  # fmt: skip
+    return (
+        losses.view(targets.shape),
+        lse.view(targets.shape),
+        status.view(targets.shape),
+        None if grad_pred is None else grad_pred.view(pred.shape),
+        None if grad_embeds is None else grad_embeds.view(embeds.shape),
+    )
+
+
+def _infonce_backward(
+    algorithm: str, weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred, want_embeds
+):  # fmt: skip
+    """The forward again, with the upstream row ``weights`` (``reduction="none"``); ``lse`` is not needed."""
+    return _infonce(algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds)[3:]
+
+
+def _select(algorithm: str, pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, seed_rows: int):
+    pred3, embeds3 = canonical_views(pred, embeds)
+    actions, status = select_chunked(
+        pred3.contiguous(), embeds3.contiguous(), mask, tau, sample, seed, seed_rows, algorithm
+    )
+    return actions.view(pred.shape[:-1]), status.view(pred.shape[:-1])
+
+
+row_chunks_infonce_forward = functools.partial(_infonce_forward, ROW_CHUNKS)
+row_chunks_infonce_backward = functools.partial(_infonce_backward, ROW_CHUNKS)
+row_chunks_select = functools.partial(_select, ROW_CHUNKS)
+action_chunks_infonce_forward = functools.partial(_infonce_forward, ACTION_CHUNKS)
+action_chunks_infonce_backward = functools.partial(_infonce_backward, ACTION_CHUNKS)
+action_chunks_select = functools.partial(_select, ACTION_CHUNKS)

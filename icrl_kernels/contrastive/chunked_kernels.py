@@ -28,7 +28,15 @@ import triton.language as tl
 
 from .._library import empty_output
 from .._triton import autotune, cdiv, launch, size_bucket
-from .kernels import _available, _online_logsumexp, _select_tile, _store_choice, _store_row_results, mask_args
+from .kernels import (
+    _available,
+    _online_logsumexp,
+    _row_seeds,
+    _select_tile,
+    _store_choice,
+    _store_row_results,
+    mask_args,
+)
 
 # Row kernels over an L2-resident chunk: no dots, the tile is one load per thread. The first config is the
 # interpreter's (and the default where nothing was tuned).
@@ -143,7 +151,7 @@ def _infonce_chunk_kernel(
 @triton.jit
 def _select_chunk_kernel(
     logits_ptr, mask_ptr, seed_ptr, out_ptr, status_ptr, best_ptr, choice_ptr, nan_ptr,
-    ROW0, R, A0, C, A, T, tau, MASK_COLS, SIZE_BUCKET, stride_lr, stride_mb, stride_mt, stride_ma,
+    ROW0, R, A0, C, A, T, SEED_ROWS, tau, MASK_COLS, SIZE_BUCKET, stride_lr, stride_mb, stride_mt, stride_ma,
     SAMPLE: tl.constexpr, HAS_MASK: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr,
 ):  # fmt: skip
@@ -154,9 +162,9 @@ def _select_chunk_kernel(
     row_ok = local < R
     rows = ROW0 + local
     chunk_rows = logits_ptr + local.to(tl.int64)[:, None] * stride_lr
-    seed = 0
-    if SAMPLE:
-        seed = tl.load(seed_ptr)  # drawn on the device: no host read of the generator's state
+    seeds, seed_rows = 0, rows
+    if SAMPLE:  # drawn on the device: no host read of the generator's state
+        seeds, seed_rows = _row_seeds(seed_ptr, rows, row_ok, SEED_ROWS)
     if FIRST:
         best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
         best_action = tl.full([BLOCK_N], -1, dtype=tl.int64)
@@ -172,7 +180,7 @@ def _select_chunk_kernel(
             stride_mb, stride_mt, stride_ma, HAS_MASK,
         )  # fmt: skip
         best, best_action, saw_nan = _select_tile(
-            scores, available, rows, actions, A, seed, best, best_action, saw_nan, SAMPLE
+            scores, available, seed_rows, actions, A, seeds, best, best_action, saw_nan, SAMPLE
         )  # fmt: skip
     if LAST:
         _store_choice(out_ptr, status_ptr, rows, row_ok, best_action, saw_nan)
@@ -233,8 +241,8 @@ def infonce_chunk_triton(
 
 
 def select_chunk_triton(
-    logits, mask, seed, outputs, state, *, row0: int, action0: int, num_actions: int, steps: int, tau: float,
-    sample: bool, first: bool, last: bool,
+    logits, mask, seed, outputs, state, *, row0: int, action0: int, num_actions: int, steps: int, seed_rows: int,
+    tau: float, sample: bool, first: bool, last: bool,
 ):  # fmt: skip
     """Launch :func:`_select_chunk_kernel` on one chunk of fp32 ``logits [R, C]``; ``outputs``: the call's
     ``(actions int64, status int8)``, ``[B, T]``; ``state``: a :class:`RowState` (``select=True``) or None."""
@@ -248,7 +256,7 @@ def select_chunk_triton(
 
     launch(_select_chunk_kernel, grid)(
         logits, mask_t, seed, actions, status, *carried,
-        row0, rows, action0, columns, num_actions, steps, tau, mask_cols, size_bucket(rows),
+        row0, rows, action0, columns, num_actions, steps, seed_rows, tau, mask_cols, size_bucket(rows),
         logits.stride(0), smb, smt, sma,
         SAMPLE=sample, HAS_MASK=mask is not None, FIRST=first, LAST=last,
     )  # fmt: skip

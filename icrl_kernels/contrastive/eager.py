@@ -1,7 +1,9 @@
-"""Eager PyTorch path of InfoNCE and action selection: the kernels' algorithm in row chunks.
+"""The ``eager`` algorithm of InfoNCE and action selection (``algorithms.EAGER``, what ``backend="eager"`` runs):
+the kernels' algorithm in PyTorch, in row chunks.
 
-Works on the canonical layout of :mod:`.function` (``pred [B, T, D]``, ``embeds [1 or B, A, D]``,
-``targets [B, T]``, ``mask [1 or B, 1 or T, A_pad]`` uint8 with ``A_pad >= A``, or ``None``). Logits
+``infonce_forward``, ``infonce_backward`` and ``select`` are its entry of ``algorithms.ALGORITHMS``; they view
+their inputs in the canonical layout (``algorithms.canonical_views``: ``pred [B, T, D]``, ``embeds [1 or B, A,
+D]``, ``targets [B, T]``; ``mask [1 or B, 1 or T, A_pad]`` uint8 with ``A_pad >= A``, or ``None``). Logits
 exist only one chunk of rows at a time (at most :data:`CHUNK_ELEMENTS` of them), so memory stays
 O(N D + chunk A) even for a million actions; the backward recomputes each chunk's logits from the saved
 log-sum-exp instead of keeping them.
@@ -13,7 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .checks import ROW_NAN_LOGIT, ROW_NO_ACTION
+from .algorithms import canonical_views
+from .checks import ROW_NAN_LOGIT, ROW_NO_ACTION, check_rows_have_actions, check_target_values
 
 #: Largest logits chunk (elements) the eager path materialises at once: 128 MB of fp32. Larger chunks
 #: read the map fewer times (each chunk multiplies its rows by the whole map): at a million actions,
@@ -46,7 +49,34 @@ def _chunk_logits(pred, embeds, mask, tau, seqs: slice, steps: slice) -> torch.T
     return logits
 
 
-def infonce_forward_eager(pred, embeds, targets, mask, tau: float, ignore_index: int):
+def infonce_forward(pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred, want_embeds):
+    """The entry's forward (``algorithms.Algorithm``): per-row float32 losses and log-sum-exps after the value
+    checks (torch ops of their own: ``status`` is None); the gradients are the backward's."""
+    pred3, embeds3, targets2 = canonical_views(pred, embeds, targets)
+    check_rows_have_actions(mask)
+    check_target_values(targets2, mask, embeds.shape[-2], ignore_index)
+    losses, lse = _forward(pred3, embeds3, targets2, mask, tau, ignore_index)
+    return losses.view(targets.shape), lse.view(targets.shape), None, None, None
+
+
+def infonce_backward(
+    weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred: bool, want_embeds: bool
+):  # fmt: skip
+    """The entry's backward: ``(grad_pred, grad_embeds)`` in the inputs' shapes and dtype (None where not
+    wanted), recomputing each chunk's logits from the forward's log-sum-exps."""
+    pred3, embeds3, targets2, weights2, lse2 = canonical_views(pred, embeds, targets, weights, lse)
+    grad_pred, grad_embeds = _backward(weights2, pred3, embeds3, targets2, mask, lse2, tau, want_embeds=want_embeds)
+    return grad_pred.view(pred.shape) if want_pred else None, grad_embeds.view(embeds.shape) if want_embeds else None
+
+
+def select(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, seed_rows: int):
+    """The entry's selection: ``(actions, status)`` of ``pred.shape[:-1]`` (:func:`select_actions_eager`)."""
+    pred3, embeds3 = canonical_views(pred, embeds)
+    actions, status = select_actions_eager(pred3, embeds3, mask, tau, sample, seed, seed_rows)
+    return actions.view(pred.shape[:-1]), status.view(pred.shape[:-1])
+
+
+def _forward(pred, embeds, targets, mask, tau: float, ignore_index: int):
     """Per-row losses and log-sum-exps, both ``[B, T]`` float32."""
     losses = torch.empty(targets.shape, dtype=torch.float32, device=pred.device)
     lse = torch.empty_like(losses)
@@ -62,7 +92,7 @@ def infonce_forward_eager(pred, embeds, targets, mask, tau: float, ignore_index:
     return losses, lse
 
 
-def infonce_backward_eager(row_weights, pred, embeds, targets, mask, lse, tau: float, *, want_embeds: bool = True):
+def _backward(row_weights, pred, embeds, targets, mask, lse, tau: float, *, want_embeds: bool = True):
     """Gradients for ``pred`` and ``embeds`` given each row's loss gradient ``row_weights [B, T]``
     (zero on ignored rows); ``want_embeds=False`` returns an empty tensor for ``embeds``."""
     grad_pred = torch.empty(pred.shape, dtype=torch.float32, device=pred.device)
@@ -88,9 +118,13 @@ def infonce_backward_eager(row_weights, pred, embeds, targets, mask, lse, tau: f
     return grad_pred.to(pred.dtype), grad_embeds.to(embeds.dtype)
 
 
-def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor):
+def select_actions_eager(
+    pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, seed_rows: int | None = None
+):
     """``([B, T] int64 actions, [B, T] int8 status)``: per row the lowest available action of highest
-    ``logit`` (+ Gumbel noise from the device tensor ``seed`` when sampling), and the row's status as the
+    ``logit`` (+ Gumbel noise when sampling: flat row ``r`` draws from the device seed ``seed[r // seed_rows]``
+    at counter ``(r % seed_rows) * A + action``; ``seed_rows=None``: every row from ``seed[0]``, counting from
+    its flat row), and the row's status as the
     Triton kernel writes it (``checks.ROW_NO_ACTION``: the mask leaves no action, the id is then
     ``A``; ``checks.ROW_NAN_LOGIT``: an available action's logit is NaN; 0 otherwise).
 
@@ -108,8 +142,10 @@ def select_actions_eager(pred, embeds, mask, tau: float, sample: bool, seed: tor
                 torch.arange(batch, device=pred.device)[seqs, None] * steps
                 + torch.arange(steps, device=pred.device)[None, step_slice]
             )
-            counter = rows[..., None] * num_actions + torch.arange(num_actions, device=pred.device)
-            logits = logits + _hashed_gumbel(seed, counter)
+            run_seed = seed if seed_rows is None else seed[rows // seed_rows][..., None]
+            local = rows if seed_rows is None else rows % seed_rows
+            counter = local[..., None] * num_actions + torch.arange(num_actions, device=pred.device)
+            logits = logits + _hashed_gumbel(run_seed, counter)
         # NaN only where the action is available (_chunk_logits filled the others with -inf).
         is_nan = logits.isnan()
         row_status = is_nan.any(dim=-1).to(torch.int8) * ROW_NAN_LOGIT
@@ -174,12 +210,3 @@ def gumbel_noise(shape, *, generator=None, device=None) -> torch.Tensor:
     draw_device = generator.device if generator is not None else device
     uniform = torch.rand(shape, generator=generator, device=draw_device).to(device).clamp_(1e-20, 1.0 - 1e-7)
     return -torch.log(-torch.log(uniform))
-
-
-def reduce_row_losses(losses: torch.Tensor, targets: torch.Tensor, reduction: str, ignore_index: int) -> torch.Tensor:
-    """``"none"``: the per-row losses; ``"sum"``; ``"mean"``: over the rows whose target is not ignored."""
-    if reduction == "none":
-        return losses
-    if reduction == "sum":
-        return losses.sum()
-    return losses.sum() / (targets != ignore_index).sum()

@@ -1,4 +1,5 @@
-"""InfoNCE for action sets of one tile (``A <= 128``): loss and gradient for ``pred`` in one kernel.
+"""The ``small`` algorithm of InfoNCE (``algorithms.SMALL``, ``A <= 128``): loss and gradient for ``pred`` in one
+kernel.
 
 At Headless-AD's sizes (tens to a hundred actions) the fused path's work is tiny and its time goes to
 launches and host code (the H100 profile: ~0.16 ms of kernels in a 1.26 ms call). Here one program takes a
@@ -9,7 +10,10 @@ it already holds: no recompute, no second launch. The row weights ``w`` are the 
 the kernel (``1 / count`` of the non-ignored rows for ``"mean"``, 1 for ``"sum"``; 0 on ignored rows), or
 given per row (``reduction="none"``'s upstream gradient, in the backward). Precision as the fused
 kernels': the dot takes the unscaled ``softmax - one_hot`` in the input dtype, ``w / tau`` scales the fp32
-result, one rounding (``kernels.py``, module doc).
+result, one rounding (``fused_kernels.py``, module doc).
+
+``infonce_forward`` and ``infonce_backward`` are the algorithm's entry of ``algorithms.ALGORITHMS``; its
+selection is the fused kernel's (one launch).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from .._triton import autotune, launch, next_power_of_2, size_bucket
+from .algorithms import row_weights
+from .fused_kernels import infonce_grad_embeds, row_grid
+from .fused_kernels import select as select  # the fused selection is the small algorithm's too
 from .kernels import (
     _available,
-    _half_dot,
-    _layout_args,
     _logits_tile,
     _online_logsumexp,
     _row_offsets,
@@ -31,6 +36,10 @@ from .kernels import (
     _softmax_minus_one_hot,
     _store_row_results,
     _store_single_tile_grad,
+    half_dot,
+    layout,
+    mask_args,
+    row_strides,
 )
 
 #: ``ROW_WEIGHTS`` of the kernel: how each non-ignored row's gradient weight ``w_r`` is found.
@@ -59,14 +68,15 @@ _SMALL_CONFIGS = [
 @triton.jit
 def _infonce_small_kernel(
     pred_ptr, embeds_ptr, mask_ptr, targets_ptr, weights_ptr, count_ptr, loss_ptr, lse_ptr, status_ptr, grad_ptr,
-    T, A, D, ROWS, tau, ignore_index, MASK_COLS, SIZE_BUCKET,
+    T, A, D, ROWS, RUN_ROWS, tau, ignore_index, MASK_COLS, SIZE_BUCKET,
     stride_pb, stride_pt, stride_eg, stride_ea, stride_mb, stride_mt, stride_ma, stride_gb, stride_gt,
     HAS_MASK: tl.constexpr, HALF_DOT: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_WEIGHTS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Per row: loss, log-sum-exp and status (``checks.ROW_*``), and with ``WRITE_GRAD`` the gradient for
-    ``pred`` under the row weights ``ROW_WEIGHTS`` (:data:`WEIGHT_ONE`, :data:`WEIGHT_MEAN`: ``1 / count``
-    with ``count`` read from ``count_ptr``, :data:`WEIGHT_GIVEN`: ``weights_ptr[r]``; 0 on ignored rows)."""
+    ``pred`` under the row weights ``ROW_WEIGHTS`` (:data:`WEIGHT_ONE`, :data:`WEIGHT_MEAN`: ``1 / count`` with
+    ``count`` read from ``count_ptr[r // RUN_ROWS]``, one count per run of ``RUN_ROWS`` flat rows,
+    :data:`WEIGHT_GIVEN`: ``weights_ptr[r]``; 0 on ignored rows)."""
     GRAD_D: tl.constexpr = BLOCK_D if HALF_DOT else FMA_BLOCK_D
     group, local = _row_tile(ROWS, BLOCK_N)
     row_ok = local < ROWS
@@ -100,7 +110,8 @@ def _infonce_small_kernel(
         if ROW_WEIGHTS == _WEIGHT_GIVEN:
             weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
         elif ROW_WEIGHTS == _WEIGHT_MEAN:
-            weight = tl.zeros([BLOCK_N], dtype=tl.float32) + 1.0 / tl.load(count_ptr).to(tl.float32)
+            count = tl.load(count_ptr + rows // RUN_ROWS, mask=row_ok, other=1)
+            weight = 1.0 / count.to(tl.float32)
         else:
             weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
         # No division by a count of 0: where every row is ignored no row takes the weight.
@@ -112,34 +123,44 @@ def _infonce_small_kernel(
         )  # fmt: skip
 
 
-def infonce_small_triton(
-    pred, embeds, targets, mask, tau: float, ignore_index: int, *, write_grad: bool, weights=None, count=None
-):
-    """Canonical inputs (see :mod:`.function`; ``A <= 128``) -> ``(loss, lse, status, grad_pred)``: per-row
-    float32 losses and log-sum-exps and int8 statuses ``[B, T]``, and, with ``write_grad``, the gradient for
-    ``pred`` (its dtype and shape) under the row weights ``weights`` (float32 ``[B, T]``) if given, else
-    ``1 / count`` (``count``: the number of non-ignored rows, a one-element int64 device tensor) if given,
-    else 1; ``None`` without ``write_grad``."""
-    batch, steps, dim = pred.shape
-    num_actions = embeds.shape[1]
-    groups, rows, (mask_t, mask_cols, smb, smt, sma) = _layout_args(pred, embeds, mask)
-    losses = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
-    lse = empty_output((batch, steps), dtype=torch.float32, device=pred.device)
-    status = empty_output((batch, steps), dtype=torch.int8, device=pred.device)
-    grad = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if write_grad else None
-    row_weights = WEIGHT_GIVEN if weights is not None else WEIGHT_MEAN if count is not None else WEIGHT_ONE
-    # Pointers a variant never reads stand in for the absent tensors.
-    out = grad if write_grad else pred
-
-    def grid(meta):
-        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
-
-    launch(_infonce_small_kernel, grid)(
+def infonce_forward(
+    pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred: bool, want_embeds: bool,
+    weights=None,
+):  # fmt: skip
+    """``ALGORITHMS["small"]``'s forward (``algorithms.Algorithm``): per-row float32 losses and log-sum-exps, int8
+    statuses, and the gradients wanted, in one launch (plus the fused ``grad_embeds`` kernel for the map). The
+    row weights of the gradients: ``weights`` (float32 per row, 0 on ignored rows: the backward's) if given,
+    else ``1 / count[run]`` (``count``: int64, each run's non-ignored rows) if given, else 1."""
+    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+    mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
+    losses = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
+    lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
+    status = empty_output(targets.shape, dtype=torch.int8, device=pred.device)
+    grad_pred = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if want_pred else None
+    out = grad_pred if want_pred else pred  # pointers a variant never reads stand in for the absent tensors
+    stride_gb, stride_gt = row_strides(out, embeds.dim() == 3)
+    row_weights_kind = WEIGHT_GIVEN if weights is not None else WEIGHT_MEAN if count is not None else WEIGHT_ONE
+    launch(_infonce_small_kernel, row_grid(rows, groups))(
         pred, embeds, mask_t, targets, losses if weights is None else weights, targets if count is None else count,
-        losses, lse, status, out,
-        steps, num_actions, dim, rows, tau, ignore_index, mask_cols, size_bucket(rows),
-        pred.stride(0), pred.stride(1), embeds.stride(0), embeds.stride(1), smb, smt, sma, out.stride(0), out.stride(1),
-        HAS_MASK=mask is not None, HALF_DOT=_half_dot(pred.dtype), WRITE_GRAD=write_grad, ROW_WEIGHTS=row_weights,
+        losses, lse, status, out, steps, num_actions, dim, rows, targets.numel() // max(1, count.numel())
+        if count is not None else 1, tau, ignore_index, mask_cols, size_bucket(rows),
+        stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma, stride_gb, stride_gt,
+        HAS_MASK=mask is not None, HALF_DOT=half_dot(pred.dtype), WRITE_GRAD=want_pred, ROW_WEIGHTS=row_weights_kind,
         BLOCK_A=max(16, next_power_of_2(num_actions)),
     )  # fmt: skip
-    return losses, lse, status, grad
+    grad_embeds = None
+    if want_embeds:  # a reduction over every row: the fused kernel's, from the log-sum-exp just written
+        if weights is None:
+            weights = row_weights(targets, ignore_index, count)
+        grad_embeds = infonce_grad_embeds(weights, pred, embeds, targets, mask, lse, tau)
+    return losses, lse, status, grad_pred, grad_embeds
+
+
+def infonce_backward(
+    weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred: bool, want_embeds: bool
+):  # fmt: skip
+    """``ALGORITHMS["small"]``'s backward (``reduction="none"``): the forward again, with the upstream row
+    ``weights``; the forward's ``lse`` is not needed."""
+    return infonce_forward(
+        pred, embeds, targets, mask, tau, ignore_index, None, want_pred, want_embeds, weights=weights
+    )[3:]
