@@ -32,6 +32,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -331,6 +332,9 @@ class TrainingRun:
     is_main: bool = True
     #: Whether the run trains inside a batch (set before :meth:`build_model`): its model then runs under ``vmap``.
     batched: bool = False
+    #: The run's own random streams (torch's CPU generator, its CUDA device's): see :meth:`own_streams`.
+    torch_state: torch.Tensor
+    cuda_state: torch.Tensor | None = None
 
     # Set by train_runs.
     model: nn.Module
@@ -375,6 +379,26 @@ class TrainingRun:
     def finished(self) -> Any:
         """The run's stored result when it is finished (at its last step, result kept), else None."""
         return None
+
+    @contextlib.contextmanager
+    def own_streams(self):
+        """Draw from the run's own random streams inside the block (e.g. Headless-AD's per-step action maps): in a
+        batch, torch's default generators hold the batch's shared stream, so the block runs with the run's own
+        states swapped in (and kept for its checkpoint), drawing what the run draws alone. A run alone already
+        draws from its own streams."""
+        if not self.batched:
+            yield
+            return
+        shared = torch.get_rng_state(), (torch.cuda.get_rng_state(self.device) if self.cuda_state is not None else None)
+        _set_streams(self)
+        try:
+            yield
+        finally:
+            self.torch_state = torch.get_rng_state()
+            torch.set_rng_state(shared[0])
+            if self.cuda_state is not None:
+                self.cuda_state = torch.cuda.get_rng_state(self.device)
+                torch.cuda.set_rng_state(shared[1], self.device)
 
     # -- the step ---------------------------------------------------------------------------------------------
     def learning_rate(self, step: int) -> float:
@@ -479,7 +503,10 @@ def open_runs(runs: Sequence[TrainingRun], *, batched: bool = False) -> list[Any
         run.batched = batched
         run.prepare()
         model = run.build_model()
-        run.torch_state = torch.get_rng_state()  # what a batch saves for the run (its dropout stream is shared)
+        # The run's own random streams where its initialisation left them: a single run continues them; a batch
+        # draws its dropout masks from one shared stream, and a run's other draws from its own (own_streams).
+        run.torch_state = torch.get_rng_state()
+        run.cuda_state = torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None
         run.model = model.to(run.device)
         run.optimizer = run.build_optimizer(run.model)
         run.step = 0
@@ -489,6 +516,8 @@ def open_runs(runs: Sequence[TrainingRun], *, batched: bool = False) -> list[Any
             run.resumed.restore_model(run.model)
             run.resumed.restore_optimizer(run.optimizer)
             run.torch_state = run.resumed.torch_state()
+            if run.cuda_state is not None and "cuda" in run.resumed.field("rng", kind=dict):
+                run.cuda_state = run.resumed.field("rng", "cuda", kind=torch.Tensor)
             run.restore(run.resumed)
         if run.is_main:  # a fresh run logs from scratch: rows without a checkpoint come from a killed attempt
             trim_metrics(run.folder.metrics, run.step if run.resumed is not None else -1)
@@ -503,14 +532,22 @@ def train_runs(runs: Sequence[TrainingRun], *, batched: bool = False) -> list[An
     batches); otherwise one after another."""
     results = open_runs(runs, batched=batched)
     pending = [index for index, result in enumerate(results) if result is None]
-    if batched:
-        groups = [[i for i in pending if runs[i].step == step] for step in sorted({runs[i].step for i in pending})]
+    if batched:  # a batch per step the runs resumed at and per model shape their data give
+        keys = {index: (runs[index].step, _architecture(runs[index].model)) for index in pending}
+        groups = [
+            [i for i in pending if keys[i] == key] for key in sorted(set(keys.values()), key=lambda k: (k[0], repr(k)))
+        ]
     else:
         groups = [[index] for index in pending]
     for group in groups:
         for index, result in zip(group, _train_group([runs[i] for i in group], batched)):
             results[index] = result
     return results
+
+
+def _architecture(model: nn.Module) -> tuple:
+    """What models of one batch share: their class and parameter names and shapes."""
+    return type(model).__qualname__, tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
 
 
 class _Single:
@@ -521,8 +558,7 @@ class _Single:
         self.model, self.optimizer = run.model, run.optimizer
         # The stream of this run's dropout masks (and Headless-AD's maps): where its model's initialisation left
         # it, or where its checkpoint saved it.
-        torch.set_rng_state(run.torch_state)
-        _restore_cuda_generator(run)
+        _set_streams(run)
 
     def step(self, batch: dict, *static) -> torch.Tensor:
         return self.run.single_step(self.model, self.optimizer, batch, *static)
@@ -535,7 +571,10 @@ class _Single:
         return self.model
 
     def states(self, index: int, learning_rate: float) -> tuple[dict, dict, dict]:
-        return self.model.state_dict(), eager_optimizer_state(self.optimizer), {"torch": torch.get_rng_state()}
+        rng = {"torch": torch.get_rng_state()}
+        if self.run.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.run.device)
+        return self.model.state_dict(), eager_optimizer_state(self.optimizer), rng
 
 
 class _Stacked:
@@ -545,8 +584,7 @@ class _Stacked:
     def __init__(self, runs: list[TrainingRun]) -> None:
         self.runs = runs
         device = runs[0].device
-        torch.set_rng_state(runs[0].torch_state)  # one stream for the batch's dropout masks
-        _restore_cuda_generator(runs[0])
+        _set_streams(runs[0])  # one stream for the batch's dropout masks
         self.stacked = StackedRuns([run.model for run in runs]).to(device)
         self.optimizer = RunAdamW.for_runs(
             self.stacked.flat, [list(run.model.parameters()) for run in runs], [run.optimizer for run in runs]
@@ -579,7 +617,10 @@ class _Stacked:
         return model.train(self.stacked.training)
 
     def states(self, index: int, learning_rate: float) -> tuple[dict, dict, dict]:
-        rng = {"torch": self.runs[index].torch_state}  # the run's own stream: a batch draws from a shared one
+        run = self.runs[index]
+        rng = {"torch": run.torch_state}  # the run's own streams (its dropout masks come from a shared one)
+        if run.cuda_state is not None:
+            rng["cuda"] = run.cuda_state
         return self.stacked.run_state_dict(index), self.optimizer.run_state_dict(index, learning_rate), rng
 
 
@@ -603,11 +644,11 @@ def measure_batch_runs(
     return auto_batch_runs(make_step, device, runs=runs, share=share, log=lambda line: print(line, file=sys.stderr))
 
 
-def _restore_cuda_generator(run: TrainingRun) -> None:
-    """The CUDA generator's state from the run's checkpoint, on a CUDA device (where Headless-AD draws its maps
-    and dropout its masks)."""
-    if run.device.type == "cuda" and run.resumed is not None and "cuda" in run.resumed.field("rng", kind=dict):
-        torch.cuda.set_rng_state(run.resumed.field("rng", "cuda", kind=torch.Tensor), run.device)
+def _set_streams(run: TrainingRun) -> None:
+    """Torch's default generators (CPU, and the run's CUDA device) set to the run's own states."""
+    torch.set_rng_state(run.torch_state)
+    if run.cuda_state is not None:
+        torch.cuda.set_rng_state(run.cuda_state, run.device)
 
 
 def _train_group(runs: list[TrainingRun], batched: bool) -> list[Any]:
@@ -700,8 +741,6 @@ def _log(run: TrainingRun, track: _Progress, step: int, learning_rate: float, gu
 
 def _save(run: TrainingRun, engine, index: int, step: int, learning_rate: float) -> None:
     model_state, optimizer_state, rng = engine.states(index, learning_rate)
-    if run.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(run.device)
     rng = {**run.random_state(), **rng}  # on every rank (a data-parallel run gathers its ranks' streams)
     if run.is_main:
         save_run_checkpoint(run.folder.checkpoint, step, run.identity, model_state, optimizer_state, rng,

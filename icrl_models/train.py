@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -559,7 +560,20 @@ class TrainRun(TrainingRun):
             for position, index in enumerate(members):
                 rows[index] = {name: gathered[name][position * batch_size : (position + 1) * batch_size]
                                for name in _STEP_KEYS}  # fmt: skip
-        return {name: torch.stack([row[name] for row in rows]) for name in _STEP_KEYS}
+        # Action sets as wide as the widest run's (-1: no action), where the runs' data differ (bandits of a
+        # range of arm counts); a run's padded positions are never available to it.
+        width = max(row["action_set"].shape[1] for row in rows)
+        for row in rows:
+            row["action_set"] = F.pad(row["action_set"], (0, width - row["action_set"].shape[1]), value=-1)
+        batch = {name: torch.stack([row[name] for row in rows]) for name in _STEP_KEYS}
+        if isinstance(runs[0].model, HeadlessADModel):  # each run's map of the step, as wide as its own data's
+            maps = []
+            for run in runs:
+                with run.own_streams():
+                    drawn = run.model.draw_action_map(run.histories.action_sets.shape[1])
+                maps.append(F.pad(drawn, (0, 0, 0, width - drawn.shape[0])))  # unavailable rows: never read
+            batch["action_map"] = torch.stack(maps)
+        return batch
 
     # -- rows, evaluations, the end ---------------------------------------------------------------------------
     def on_row(self, step: int, row: dict) -> None:
@@ -586,13 +600,13 @@ class TrainRun(TrainingRun):
 
     @classmethod
     def evaluate_runs(cls, runs: Sequence[TrainRun], models: Sequence[nn.Module], step: int) -> list[dict]:
-        if len(runs) == 1:
+        if len(runs) == 1 or isinstance(models[0], HeadlessADModel):  # Headless-AD: each run's rollouts alone
             return super().evaluate_runs(runs, models, step)
         return [{"eval": report.summary} for report in evaluate_runs(models, runs)]
 
     @classmethod
     def finish_runs(cls, runs: Sequence[TrainRun], models: Sequence[nn.Module], step: int) -> list[dict]:
-        if len(runs) == 1:
+        if len(runs) == 1 or isinstance(models[0], HeadlessADModel):
             return super().finish_runs(runs, models, step)
         reports = evaluate_runs(models, runs)
         return [record_evaluation(report, run.config, step, run.write_row, run.start_time)
@@ -684,7 +698,7 @@ PER_RUN_FIELDS = (
     "checkpoint_every", "log_every",
 )  # fmt: skip
 #: Model kinds a batch can train.
-BATCHED_MODELS = ("ad", "ngram_ad")
+BATCHED_MODELS = ("ad", "ngram_ad", "headless_ad")
 #: The batch tensors a training step reads (the rest of a windows batch stays on the host).
 _STEP_KEYS = ("states", "actions", "prev_actions", "prev_rewards", "mask", "action_set")
 

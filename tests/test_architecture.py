@@ -224,7 +224,7 @@ STANDARD_FILES = ("reference", "checks", "eager", "kernels", "function", "__init
 #: any file) or ``other:<file>`` (that file of another op folder).
 IMPORT_TABLE = {
     "reference": {"_library", "own:checks", "other:reference"},
-    "checks": {"_validation", "own:extra", "other:checks"},
+    "checks": {"_validation", "_backend", "own:extra", "other:checks"},
     "eager": {"_library", "own:reference", "own:checks", "own:extra", "other:function"},
     "kernels": {"_triton", "_library", "_backend", "own:checks", "own:extra", "other:kernels", "other:checks"},
     "function": {"_backend", "_library", "_validation", "own:*"},
