@@ -624,6 +624,23 @@ class _Stacked:
         return self.stacked.run_state_dict(index), self.optimizer.run_state_dict(index, learning_rate), rng
 
 
+def stepper(runs: Sequence[TrainingRun], *, batched: bool, step: int = 0) -> Callable[[], torch.Tensor]:
+    """One training step of opened ``runs`` (:func:`open_runs`) as the loop takes it, drawing their batches
+    included, as a function (for timing: ``--batch-runs auto`` and ``benchmarks/bench_sweep.py``): all of them as
+    one batch (``batched``), or the one run alone. Returns the step's statistics (not read on the host)."""
+    runs = list(runs)
+    if not batched and len(runs) != 1:
+        raise ValueError(f"runs must be one run unless batched, got {len(runs)}")
+    engine = _Stacked(runs) if batched else _Single(runs[0])
+    runner = make_step_runner(engine.step, engine.model, engine.optimizer, runs[0].device,
+                              cuda_graph=runs[0].cuda_graph, nonfinite="stop",
+                              runs=len(runs) if batched else None)  # fmt: skip
+    rates = [run.learning_rate(step) for run in runs]
+    static = runs[0].static(step)
+    engine.model.train()
+    return lambda: runner(engine.batch(step, rates), *static)
+
+
 def measure_batch_runs(
     make_runs: Callable[[int], list[TrainingRun]], device: torch.device, *, runs: int, share: int = 1
 ) -> int:
@@ -634,12 +651,7 @@ def measure_batch_runs(
     def make_step(count: int) -> Callable[[], None]:
         probe = make_runs(count)
         open_runs(probe, batched=count > 1)
-        engine = _Stacked(probe) if count > 1 else _Single(probe[0])
-        runner = make_step_runner(engine.step, engine.model, engine.optimizer, device, cuda_graph=probe[0].cuda_graph,
-                                  nonfinite="stop", runs=count if count > 1 else None)  # fmt: skip
-        rates = [run.learning_rate(0) for run in probe]
-        engine.model.train()
-        return lambda: runner(engine.batch(0, rates), *probe[0].static(0))
+        return stepper(probe, batched=count > 1)
 
     return auto_batch_runs(make_step, device, runs=runs, share=share, log=lambda line: print(line, file=sys.stderr))
 
@@ -750,5 +762,5 @@ def _save(run: TrainingRun, engine, index: int, step: int, learning_rate: float)
 __all__ = [
     "Resumed", "RunFolder", "TrainingRun", "default_autocast", "final_evaluation", "make_step_runner",
     "measure_batch_runs", "metric_row", "open_runs", "progress_bar", "read_metrics", "resume", "save_run_checkpoint",
-    "train_runs", "train_step", "trim_metrics",
+    "stepper", "train_runs", "train_step", "trim_metrics",
 ]  # fmt: skip
