@@ -90,7 +90,7 @@ _TRAIN_SIZES = {
 
 def _train_runs(case: Case, folder: Path, device: torch.device) -> list[TrainRun]:
     base = TrainConfig(**_TRAIN_SIZES[(case.family, case.size)], steps=1_000_000, warmup_steps=0, progress=False,
-                       device=str(device), cuda_graph=True)  # fmt: skip
+                       device=str(device), cuda_graph="auto")  # fmt: skip
     data = folder / f"{case.family}-{case.size}.icrl"
     if not data.exists():
         generate = base.generate_config("train", base.num_histories, base.source_episodes)
