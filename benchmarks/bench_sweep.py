@@ -149,8 +149,11 @@ CASES = (
     [Case("goals-paper-K16", "ad", "goals-paper", 16), Case("goals-paper-K64", "ad", "goals-paper", 64)]
     if torch.cuda.is_available()
     # The preset sizes take seconds a step: with the full set only (ICRL_BENCH_FULL=1), and in the script below.
-    else [Case(f"{family}-{size}-K4", family, size, 4) for family in FAMILIES
-          for size in (("tiny", "preset") if full_run() else ("tiny",))]  # fmt: skip
+    else [
+        Case(f"{family}-{size}-K4", family, size, 4)
+        for family in FAMILIES
+        for size in (("tiny", "preset") if full_run() else ("tiny",))
+    ]  # fmt: skip
 )
 PARAMS = [
     pytest.param(case, mode, id=f"{case.name}-{mode}", marks=[pytest.mark.headline]) for case in CASES for mode in MODES

@@ -482,6 +482,34 @@ class TrainingRun:
         return [run.finish(model, step) for run, model in zip(runs, models)]
 
 
+class ReadingRun(TrainingRun):
+    """A run whose evaluations are readings of its model along training: every ``eval_every`` steps, at its start
+    (step 0, the initial model) and at its end, each logged with the mean training loss since the reading before
+    (``"mean_loss"``; a log point is a reading). icrl-markov's G_Markov, icrl-induction's head scores."""
+
+    def log_row(self, step: int, losses: list[float], grad_norms: list[float]) -> dict:
+        return {"loss": losses[-1], "grad_norm": grad_norms[-1], "mean_loss": float(np.mean(losses, dtype=np.float64))}
+
+    def eval_due(self, step: int) -> bool:
+        return step % self.eval_every == 0 or step == self.steps
+
+    @classmethod
+    def starting(cls, runs: Sequence[TrainingRun], model: nn.Module, step: int) -> None:
+        for run in runs:
+            run.train_start = time.perf_counter()
+            if run.step == 0:  # where the readings start from: the initial model
+                run.write_row({"step": 0, **run.evaluate(run.model, 0)})
+
+    def readings(self, key: str) -> tuple[list[dict], list[float], int]:
+        """The run's readings (the rows holding ``key``, in order), the mean training loss before each (NaN at
+        step 0), and its non-finite steps (``--nonfinite skip``; 0 otherwise), from its metrics."""
+        rows = read_metrics(self.folder.metrics)
+        losses = {row["step"]: row["mean_loss"] for row in rows if "mean_loss" in row}
+        readings = [row for row in rows if key in row]
+        skipped = next((row["skipped_steps"] for row in reversed(rows) if "skipped_steps" in row), 0)
+        return readings, [losses.get(row["step"], float("nan")) for row in readings], skipped
+
+
 # -- the loop -------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _Progress:
@@ -760,7 +788,7 @@ def _save(run: TrainingRun, engine, index: int, step: int, learning_rate: float)
 
 
 __all__ = [
-    "Resumed", "RunFolder", "TrainingRun", "default_autocast", "final_evaluation", "make_step_runner",
+    "ReadingRun", "Resumed", "RunFolder", "TrainingRun", "default_autocast", "final_evaluation", "make_step_runner",
     "measure_batch_runs", "metric_row", "open_runs", "progress_bar", "read_metrics", "resume", "save_run_checkpoint",
     "stepper", "train_runs", "train_step", "trim_metrics",
 ]  # fmt: skip

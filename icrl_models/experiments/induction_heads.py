@@ -37,7 +37,6 @@ import math
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,7 +67,7 @@ from ..analysis.induction import (
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
 from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..files import save_figure, write_json
-from ..lifecycle import Resumed, RunFolder, TrainingRun, measure_batch_runs, read_metrics, train_runs
+from ..lifecycle import ReadingRun, Resumed, RunFolder, measure_batch_runs, train_runs
 from ..nonfinite import NONFINITE_HELP
 from .harness import (
     StepCost,
@@ -306,7 +305,7 @@ def induction_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return next_token_losses(model(tokens), tokens).mean()
 
 
-class InductionRun(TrainingRun):
+class InductionRun(ReadingRun):
     """One variant of the experiment in the run lifecycle (:mod:`icrl_models.lifecycle`): the attention-only model
     on the repeated-segment stream (drawn on the CPU from the seed, so every device trains on the same sequences),
     the next-token loss; every ``eval_every`` steps (and at the start and end) the heads are scored on the fixed
@@ -356,32 +355,17 @@ class InductionRun(TrainingRun):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return induction_loss(model, batch["tokens"])
 
-    def log_row(self, step: int, losses: list[float], grad_norms: list[float]) -> dict:
-        return {"loss": losses[-1], "grad_norm": grad_norms[-1], "mean_loss": float(np.mean(losses, dtype=np.float64))}
-
-    def eval_due(self, step: int) -> bool:
-        return step % self.eval_every == 0 or step == self.steps
-
     def evaluate(self, model: nn.Module, step: int) -> dict:
         return {"evaluation": evaluate_model(model, self.eval_batch)}
 
-    @classmethod
-    def starting(cls, runs: Sequence[InductionRun], model: nn.Module, step: int) -> None:
-        for run in runs:
-            if run.step == 0:  # where the metrics are at initialisation: the phase change is a departure from this
-                run.write_row({"step": 0, **run.evaluate(run.model, 0)})
-
     def finish(self, model: nn.Module, step: int) -> dict:
-        rows = read_metrics(self.folder.metrics)
-        losses = {row["step"]: row["mean_loss"] for row in rows if "mean_loss" in row}
+        # The phase change is a departure from the first reading, at initialisation.
+        readings, losses, skipped = self.readings("evaluation")
         curves: dict[str, list] = {"step": [], "train_loss": [], "repeat_loss": [], "icl_score": [],
                                    "best_induction": []}  # fmt: skip
-        evaluation: dict = {}
-        for row in rows:
-            if "evaluation" in row:
-                evaluation = row["evaluation"]
-                _record(curves, row["step"], losses.get(row["step"], float("nan")), evaluation)
-        skipped = next((row["skipped_steps"] for row in reversed(rows) if "skipped_steps" in row), 0)
+        for row, loss in zip(readings, losses):
+            _record(curves, row["step"], loss, row["evaluation"])
+        evaluation = readings[-1]["evaluation"]
         eval_batch = self.eval_batch
 
         def repeat_loss() -> float:

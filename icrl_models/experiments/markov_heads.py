@@ -105,7 +105,7 @@ from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, to_device
 from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
-from ..lifecycle import Resumed, RunFolder, TrainingRun, measure_batch_runs, read_metrics, train_runs
+from ..lifecycle import ReadingRun, Resumed, RunFolder, measure_batch_runs, train_runs
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
 from ..nonfinite import NONFINITE_HELP
 from .harness import (
@@ -558,7 +558,7 @@ def _markov_summary(report: MarkovReport) -> dict:
     return {"markov_heads": report.heads(), "ratio": report.ratio, "diagonal_positive": report.diagonal_positive}
 
 
-class MarkovRun(TrainingRun):
+class MarkovRun(ReadingRun):
     """One run of the experiment in the run lifecycle (:mod:`icrl_models.lifecycle`): a DT-MoA with context ``k``
     on ``task``, from the seed's backbone, trained on the task's windows with the action cross-entropy; every
     ``eval_every`` steps (and at the start and end) G_Markov is read on held-out windows, and the run is
@@ -626,13 +626,6 @@ class MarkovRun(TrainingRun):
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model.loss(batch)
 
-    def log_row(self, step: int, losses: list[float], grad_norms: list[float]) -> dict:
-        # The curve's loss: the mean over the steps since the last reading (read once per reading, on the host).
-        return {"loss": losses[-1], "grad_norm": grad_norms[-1], "mean_loss": float(np.mean(losses, dtype=np.float64))}
-
-    def eval_due(self, step: int) -> bool:
-        return step % self.eval_every == 0 or step == self.steps
-
     def evaluate(self, model: nn.Module, step: int) -> dict:
         return {"g_markov": self.g_markov(model)}
 
@@ -641,22 +634,12 @@ class MarkovRun(TrainingRun):
         gates = model.gate_weights(self.analysis_batch)
         return {str(layer): float(g_markov(weights, self.init_mask[layer])) for layer, weights in gates.items()}
 
-    @classmethod
-    def starting(cls, runs: Sequence[MarkovRun], model: nn.Module, step: int) -> None:
-        for run in runs:
-            run.train_start = time.perf_counter()
-            if run.step == 0:  # where G_Markov starts from: the initial model
-                run.write_row({"step": 0, **run.evaluate(run.model, 0)})
-
     def finish(self, model: nn.Module, step: int) -> dict:
         config, task, k, seed, device = self.config, self.task, self.k, self.seed, self.device
         train_seconds = time.perf_counter() - getattr(self, "train_start", self.start)
-        rows = read_metrics(self.folder.metrics)
-        readings = [row for row in rows if "g_markov" in row]
-        losses = {row["step"]: row["mean_loss"] for row in rows if "mean_loss" in row}
-        curve = {"step": [row["step"] for row in readings], "g_markov": [row["g_markov"] for row in readings],
-                 "loss": [losses.get(row["step"], float("nan")) for row in readings]}  # fmt: skip
-        skipped = next((row["skipped_steps"] for row in reversed(rows) if "skipped_steps" in row), 0)
+        readings, losses, skipped = self.readings("g_markov")
+        curve = {"step": [row["step"] for row in readings], "loss": losses,
+                 "g_markov": [row["g_markov"] for row in readings]}  # fmt: skip
         analysis_batch, moa_layers = self.analysis_batch, self.model_config.moa_layers
         model.eval()
         report_after = markov_heads(model)
