@@ -9,10 +9,10 @@ Two refinements, both in :func:`differentiable_op` and :func:`inference_op` so t
 
 * **Registration.** An op whose implementation is *traceable* (only torch ops and kernel launches through
   :func:`icrl_kernels._triton.launch`, no host reads of tensor values) is registered with
-  ``torch.library.triton_op`` where torch has it (>= 2.6): ``torch.compile`` then traces into it, so
-  Inductor sees the Triton kernels (and the eager path's torch ops) instead of an opaque call, while
-  ``torch.export`` still keeps the op as one node. Other ops, older torch, and processes where Triton runs
-  on its CPU interpreter (whose kernels cannot run on fake tensors) use ``torch.library.custom_op``.
+  ``torch.library.triton_op``: ``torch.compile`` then traces into it, so Inductor sees the Triton kernels
+  (and the eager path's torch ops) instead of an opaque call, while ``torch.export`` still keeps the op as
+  one node. Other ops, and processes where Triton runs on its CPU interpreter (whose kernels cannot run on
+  fake tensors), use ``torch.library.custom_op``.
   ``ICRL_TRITON_OP=0`` forces ``custom_op`` everywhere (see :func:`uses_triton_op`).
 * **Eager fast path.** A call through the dispatcher costs several Python layers per op (the Autograd
   kernel, a generated ``autograd.Function``, the redispatch, the backend wrapper, aliasing checks), for
@@ -32,14 +32,15 @@ parity check instead of passing by luck. Every reference and eager path computes
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch._library.custom_ops import CustomOpDef
 
+from . import _torch_compat as compat
 from ._backend import triton_available, triton_interpreter_enabled
 
 NAMESPACE = "icrl"
@@ -49,17 +50,23 @@ Traceable = bool | Sequence[str]
 
 _poison_outputs = False
 
-_fast_dispatch = os.environ.get("ICRL_FAST_DISPATCH", "1").strip().lower() not in ("0", "false", "no", "off")
-
-#: ``torch.library.triton_op`` (torch >= 2.6), else None.
-_TRITON_OP = getattr(torch.library, "triton_op", None)
+_fast_dispatch = compat.FAST_PATH_SUPPORTED and os.environ.get("ICRL_FAST_DISPATCH", "1").strip().lower() not in (
+    "0",
+    "false",
+    "no",
+    "off",
+)
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
-_C = torch._C
-_any_requires_grad = getattr(_C, "_any_requires_grad", None)
-_peek_functorch = getattr(getattr(_C, "_functorch", None), "peek_interpreter_stack", None)
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_dispatch_mode_depth = compat.dispatch_mode_depth
+_function_mode_enabled = compat.function_mode_enabled
+_jit_tracing_state = compat.jit_tracing_state
+_functorch_transform = compat.functorch_transform
+_any_requires_grad = compat.any_requires_grad
 
 
 def set_output_poisoning(enabled: bool) -> bool:
@@ -71,7 +78,8 @@ def set_output_poisoning(enabled: bool) -> bool:
 
 def empty_output(shape: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.empty`` for kernel outputs; poisoned under test so unwritten elements are caught."""
-    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    # Sizes as separate arguments: torch parses them about twice as fast as one tuple or torch.Size.
+    out = torch.empty(*shape, dtype=dtype, device=device) if len(shape) else torch.empty((), dtype=dtype, device=device)
     if _poison_outputs:
         out.fill_(float("nan") if out.is_floating_point() else -1)
     return out
@@ -83,11 +91,13 @@ def empty_output_like(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     For a gradient written in its input's own memory order, so that it matches whatever layout the
     producer chose: e.g. PyTorch's flash kernels return ``[B, H, L, Dh]`` outputs that are
     ``[B, L, H, Dh]``-contiguous, while SDPA's math path returns ``[B, H, L, Dh]``-contiguous ones.
+    (``torch.empty_like`` keeps a dense tensor's strides and gives any other strided tensor dense strides
+    in the same order.)
     """
-    order = sorted(range(like.dim()), key=lambda dim: -like.stride(dim))  # stable: ties keep dim order
-    buffer = empty_output([like.shape[dim] for dim in order], dtype=dtype, device=like.device)
-    inverse = [order.index(dim) for dim in range(like.dim())]
-    return buffer.permute(inverse)
+    out = torch.empty_like(like, dtype=dtype)
+    if _poison_outputs:
+        out.fill_(float("nan") if out.is_floating_point() else -1)
+    return out
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -101,17 +111,82 @@ def set_fast_dispatch(enabled: bool) -> bool:
     """Let eager calls of the ops skip the dispatcher (see the module docstring); return the old value.
 
     Off, every call goes through the registered operator, which is what ``torch.compile`` and
-    ``torch.export`` see; tests compare the two paths.
+    ``torch.export`` see; tests compare the two paths. Always off where this torch lacks one of the probes
+    the fast path needs (``_torch_compat.FAST_PATH_SUPPORTED``).
     """
     global _fast_dispatch
-    previous, _fast_dispatch = _fast_dispatch, bool(enabled)
+    previous, _fast_dispatch = _fast_dispatch, bool(enabled) and compat.FAST_PATH_SUPPORTED
     return previous
+
+
+#: Distinct argument signatures :func:`checked_per_signature` remembers per op before it starts over.
+SIGNATURES_PER_OP = 256
+_HASHABLE_VALUE_TYPES = (str, int, float, bool, torch.dtype, torch.device)
+
+T = TypeVar("T")
+
+
+def checked_per_signature(check: Callable[..., T]) -> Callable[..., T]:
+    """``check(*args)`` (an op's argument checks and backend choice) run once per argument signature.
+
+    The signature of a call is, for each argument, a tensor's shape, strides, dtype and device, or the value
+    of a ``str`` / ``int`` / ``float`` / ``bool`` / ``None`` / dtype / device (with its type: ``1``, ``1.0``
+    and ``True`` differ), plus, off CUDA, whether Triton's interpreter is on (``backend="auto"`` depends on
+    it there: one read of ``TRITON_INTERPRET``, about 1 us, which CUDA tensors skip). A call
+    with a signature seen before returns the result that ``check`` returned then, in O(1); a check that
+    raised left nothing behind, so bad input raises the same error every time. Checks may read only what
+    the signature holds (shapes, dtypes, devices, option values), never tensor values (those go through
+    :func:`icrl_kernels._validation.check_values` inside the op) nor global state.
+
+    Calls that cannot be keyed run ``check`` every time: an argument of another type (a list, an
+    ``NGramPlan``, a tensor subclass such as a fake or functional tensor, whose sizes may be symbolic),
+    and any call while ``torch.compile`` traces (Dynamo traces the checks themselves into its guards). At
+    most :data:`SIGNATURES_PER_OP` signatures are kept per op; then the cache starts over.
+    """
+    cache: dict = {}
+
+    def checked(*args: Any) -> T:
+        if _is_compiling():
+            return check(*args)
+        key = []
+        device = None
+        for arg in args:
+            kind = type(arg)
+            if kind is _Tensor or kind is _Parameter:
+                device = arg.device
+                key.append((arg.shape, arg.stride(), arg.dtype, device))
+            elif kind in _HASHABLE_VALUE_TYPES:
+                key.append((kind, arg))
+            elif arg is None:
+                key.append(None)
+            else:
+                return check(*args)
+        if device is not None and device.type != "cuda":  # Triton runs on CUDA whatever the interpreter
+            key.append(triton_interpreter_enabled())
+        key = tuple(key)
+        try:
+            return cache[key]
+        except KeyError:
+            pass
+        result = check(*args)
+        if len(cache) >= SIGNATURES_PER_OP:
+            cache.clear()
+        cache[key] = result
+        return result
+
+    checked.__wrapped__ = check  # type: ignore[attr-defined]
+    checked.cache = cache  # type: ignore[attr-defined]
+    return checked
+
+
+#: ``torch.library.triton_op``.
+_TRITON_OP = torch.library.triton_op
 
 
 def uses_triton_op(traceable: bool = True) -> bool:
     """Whether an op declared ``traceable`` is registered with ``torch.library.triton_op`` in this process.
 
-    Needs torch >= 2.6, Triton installed and compiled rather than interpreted (``TRITON_INTERPRET=1`` runs kernels
+    Needs Triton installed and compiled rather than interpreted (``TRITON_INTERPRET=1`` runs kernels
     eagerly on the host, which fails on the fake tensors a trace uses), and ``ICRL_TRITON_OP`` not ``0``.
     Decided when the op is registered, i.e. at import.
     """
@@ -119,7 +194,6 @@ def uses_triton_op(traceable: bool = True) -> bool:
     return (
         traceable
         and enabled
-        and _TRITON_OP is not None
         and triton_available()  # without Triton, triton_op only warns at import and adds nothing
         and not triton_interpreter_enabled()
     )
@@ -130,48 +204,45 @@ def _plain_eager_call(args: tuple) -> bool:
     implementation directly is indistinguishable from going through the dispatcher."""
     if not _fast_dispatch or _is_compiling():  # Dynamo constant-folds is_compiling(): this stays traceable
         return False
-    if _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled() or _C._get_tracing_state():
+    if _dispatch_mode_depth() or _function_mode_enabled() or _jit_tracing_state() is not None:
         return False  # FakeTensorMode, FunctionalTensorMode, make_fx, opcheck, `with torch.device(...)`, jit
-    if _peek_functorch is not None and _peek_functorch() is not None:
+    if _functorch_transform() is not None:
         return False  # vmap / grad / jvp wrap plain-looking tensors
     for arg in args:
-        if isinstance(arg, _Tensor) and type(arg) is not _Tensor and type(arg) is not _Parameter:
+        if isinstance(arg, _Tensor) and type(arg) not in _PLAIN_TENSOR_TYPES:
             return False  # FakeTensor, FunctionalTensor, DTensor, ... dispatch on their own
     return True
 
 
-def _needs_autograd(args: tuple) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    if _any_requires_grad is not None:
-        return _any_requires_grad(*args)
-    return any(isinstance(arg, _Tensor) and arg.requires_grad for arg in args)
+def _fast_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of the registered ops (see :func:`_fast_call_class`): on plain eager calls with every
+    argument positional, the op's autograd.Function (``_icrl_autograd``, applied from C) when a tensor
+    needs grad, else its forward itself (``_icrl_forward``); anything else, the registered operator."""
+    if kwargs or not _plain_eager_call(args):
+        return self._icrl_registered(*args, **kwargs)
+    if _grad_enabled() and _any_requires_grad(*args):
+        return self._icrl_autograd(*args)
+    return self._icrl_forward(*args)
 
 
-class _FastCallOp(CustomOpDef):
-    """A ``CustomOpDef`` whose ``__call__`` runs ``self._icrl_fast(*args)`` on plain eager calls.
+@functools.cache
+def _fast_call_class(base: type) -> type:
+    """The subclass of ``base`` (the ``CustomOpDef`` class of this torch) whose instances take the fast path.
 
-    Everything else (``opcheck``, ``register_*``, ``_opoverload``, the ``torch.ops.icrl`` entry) is the
-    registered op, unchanged. Instances are made by re-classing the ``CustomOpDef`` that
-    ``torch.library.custom_op`` / ``triton_op`` returned.
-    """
-
-    _icrl_fast: Callable[..., Any]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs and _plain_eager_call(args):
-            return self._icrl_fast(*args)
-        return self._opoverload(*args, **kwargs)
+    Only ``__call__`` differs: ``opcheck``, ``register_*`` and the ``torch.ops.icrl`` entry are the
+    registered op's (:func:`icrl_kernels._torch_compat.reclass_custom_op`)."""
+    return type("FastCallOp", (base,), {"__call__": _fast_call, "__doc__": _fast_call_class.__doc__})
 
 
-def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], traceable: Traceable) -> CustomOpDef:
+def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], traceable: Traceable) -> Any:
     qualname = f"{NAMESPACE}::{name}"
-    if traceable is not True and traceable is not False and "impl" not in inspect.signature(fn).parameters:
+    parameters = list(inspect.signature(fn).parameters)
+    if traceable is not True and traceable is not False and "impl" not in parameters:
         raise ValueError(f"{qualname}: traceable={traceable!r} needs an argument named 'impl' in {fn.__name__}")
     if uses_triton_op(bool(traceable)):
         op = _TRITON_OP(qualname, fn, mutates_args=())
         if traceable is not True:
-            _trace_only_impls(op, fn, tuple(traceable))
+            _trace_only_impls(op, fn, tuple(traceable), parameters.index("impl"))
     else:
         op = torch.library.custom_op(qualname, fn, mutates_args=())
     # triton_op registers ``fn`` itself as the fake; the explicit one is cheaper and tells shapes and
@@ -181,29 +252,21 @@ def _register(name: str, fn: Callable[..., Any], fake: Callable[..., Any], trace
     return op
 
 
-def _trace_only_impls(op: CustomOpDef, fn: Callable[..., Any], impls: tuple[str, ...]) -> None:
+def _trace_only_impls(op: Any, fn: Callable[..., Any], impls: tuple[str, ...], impl_index: int) -> None:
     """Keep a ``triton_op`` opaque to ``torch.compile`` unless its ``impl`` argument is one of ``impls``.
 
     ``triton_op`` decomposes the op (runs ``fn`` on functional tensors) whenever AOTAutograd traces it; an
     eager implementation that views outputs in stride-dependent ways, or reads values, must stay a single
     opaque node instead, as with ``custom_op``.
     """
-    from torch._subclasses.functional_tensor import FunctionalTensorMode
-
-    decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+    decompose = compat.triton_op_decomposition(op)
     if decompose is None:  # a torch that keeps no handle on triton_op's rule: the same rule, restated
 
         def decompose(mode, func, types, args, kwargs):
-            try:
-                from torch.export._trace import custom_triton_ops_decomposition_disabled as export_keeps_whole
-            except ImportError:  # pragma: no cover - depends on the torch version
-                export_keeps_whole = bool
-            if export_keeps_whole():
+            if compat.export_keeps_triton_ops_whole():
                 return mode.__torch_dispatch__(func, types, args, kwargs)
             with mode:
                 return fn(*args, **kwargs)
-
-    impl_index = list(inspect.signature(fn).parameters).index("impl")
 
     def decompose_traceable_impls(mode, func, types, args, kwargs):
         impl = kwargs["impl"] if "impl" in kwargs else args[impl_index]
@@ -211,22 +274,25 @@ def _trace_only_impls(op: CustomOpDef, fn: Callable[..., Any], impls: tuple[str,
             return decompose(mode, func, types, args, kwargs)
         return mode.__torch_dispatch__(func, types, args, kwargs)  # opaque: one node, fake impl for shapes
 
-    op.register_torch_dispatch(FunctionalTensorMode, decompose_traceable_impls)
+    op.register_torch_dispatch(compat.functional_tensor_mode(), decompose_traceable_impls)
 
 
-def _with_fast_call(op: CustomOpDef, fast: Callable[..., Any]) -> CustomOpDef:
-    op.__class__ = _FastCallOp
-    op._icrl_fast = fast
+def _with_fast_call(op: Any, name: str, forward: Callable[..., Any], autograd: Callable[..., Any] | None = None) -> Any:
+    """``op`` (registered as ``icrl::<name>``) re-classed to take the fast path: ``forward`` on plain eager
+    calls, ``autograd`` (default: the registered operator) where a tensor needs grad."""
+    compat.reclass_custom_op(op, _fast_call_class(type(op)))
+    op._icrl_registered = getattr(getattr(torch.ops, NAMESPACE), name).default
+    op._icrl_forward = forward
+    op._icrl_autograd = autograd or op._icrl_registered
     return op
 
 
-def inference_op(
-    name: str, fn: Callable[..., Any], *, fake: Callable[..., Any], traceable: Traceable = False
-) -> CustomOpDef:
+def inference_op(name: str, fn: Callable[..., Any], *, fake: Callable[..., Any], traceable: Traceable = False) -> Any:
     """Register ``icrl::<name>`` (an op without autograd, e.g. integer outputs) with the eager fast path.
 
     The replacement for ``@torch.library.custom_op(...)`` + ``register_fake``: plain eager calls run
-    ``fn`` directly; everything else goes through the registered op.
+    ``fn`` directly; everything else (and a call with an input that requires grad, whose error is the
+    registered op's) goes through the registered op.
 
     Args:
         name: op name inside the ``icrl`` namespace.
@@ -235,16 +301,10 @@ def inference_op(
         traceable: as in :func:`differentiable_op`.
     """
     op = _register(name, fn, fake, traceable)
-
-    def fast(*args: Any) -> Any:
-        if _needs_autograd(args):  # the registered op's (error-raising) autograd behaviour
-            return op._opoverload(*args)
-        return fn(*args)
-
-    return _with_fast_call(op, fast)
+    return _with_fast_call(op, name, fn)
 
 
-def fold_vmap_into_batch(op: CustomOpDef) -> CustomOpDef:
+def fold_vmap_into_batch(op: Any) -> Any:
     """Let ``torch.func.vmap`` run ``op`` as one call with the vmapped dimension folded into the batch.
 
     For ops whose every tensor argument and output has a leading batch dimension ``B`` whose rows are
@@ -284,6 +344,36 @@ def unfold_first(output: Any, size: int) -> tuple[Any, Any]:
     return split[0], 0
 
 
+def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient of an absent
+    input, or one nobody asked for) becomes an empty tensor of the first tensor argument's dtype and device,
+    a distinct one each (outputs of a custom op are tensors and may not alias). The fast path calls
+    ``backward`` itself and skips those allocations; the op's fake returns the same placeholders."""
+
+    @functools.wraps(backward)
+    def registered(*args: Any) -> Any:
+        grads = backward(*args)
+        if isinstance(grads, tuple) and any(grad is None for grad in grads):
+            like = first_tensor(args)
+            grads = tuple(grad if grad is not None else like.new_empty(0) for grad in grads)
+        return grads
+
+    # The op's schema is inferred from this signature; its annotations, evaluated where backward was written
+    # (as strings they would be looked up in this module).
+    registered.__signature__ = inspect.signature(backward, eval_str=True)  # type: ignore[attr-defined]
+    return registered
+
+
+def first_tensor(args: Sequence[Any]) -> torch.Tensor:
+    """The first tensor among ``args`` (the placeholder gradients of :func:`differentiable_op` take its
+    dtype and device)."""
+    return next(arg for arg in args if isinstance(arg, _Tensor))
+
+
+#: Where a tensor went to ``ctx.save_for_backward`` in the values a backward receives.
+_SAVED_TENSOR = object()
+
+
 def _as_tuple(value: Any) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -301,6 +391,7 @@ def differentiable_op(
     pass_needs_grad: bool = False,
     traceable: Traceable = False,
     materialize_grads: bool = True,
+    saved_tensors: int | None = None,
 ) -> tuple[Any, Any]:
     """Register ``icrl::<name>`` and ``icrl::<name>_backward`` and link them with autograd.
 
@@ -308,7 +399,10 @@ def differentiable_op(
         name: op name inside the ``icrl`` namespace.
         forward: the real forward, fully type-annotated (the schema is inferred from it).
         forward_fake: shapes/dtypes of the forward's outputs, for FakeTensor tracing.
-        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated.
+        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated. A ``None`` among the
+            grads (an absent optional input's, or with ``pass_needs_grad`` one nobody asked for) reaches
+            autograd as ``None``; the registered backward op returns an empty tensor in its place
+            (:func:`first_tensor`'s dtype and device), as its fake must too.
         backward_fake: fake implementation of ``backward``.
         save: ``save(inputs, output) -> saved``: the values (tensors or Python scalars/strings) that
             ``backward`` needs after the forward's gradients.
@@ -317,8 +411,8 @@ def differentiable_op(
         differentiable_outputs: how many leading outputs of a tuple-returning forward receive
             gradients (the rest, e.g. integer side outputs saved for the backward, are not passed on).
         pass_needs_grad: append ``needs_grad: list[bool]`` (one flag per entry of ``grad_inputs``) to
-            the backward's arguments, so it can skip gradients nobody asked for; it returns any tensor
-            (e.g. an empty one) in their place, and autograd receives ``None`` for them.
+            the backward's arguments, so it can skip gradients nobody asked for; it returns ``None`` (or any
+            tensor) in their place, and autograd receives ``None`` for them.
         traceable: ``forward`` and ``backward`` use only torch ops and kernel launches through
             :func:`icrl_kernels._triton.launch`, with no host read of a tensor value and no
             data-dependent output shape, so ``torch.compile`` may trace into them: both ops are then
@@ -329,34 +423,48 @@ def differentiable_op(
             ``differentiable_outputs`` (a side output as large as an input, e.g. a gradient saved for the
             backward, would otherwise cost a memset and its memory in every backward); the backward must
             then never need the gradient of an unused differentiable output.
+        saved_tensors: the number of leading values of ``save``'s result that are tensors or ``None`` (the
+            rest being constants, e.g. ``impl``): they go to ``ctx.save_for_backward`` as they are, instead
+            of being sorted from the constants in every call. ``None`` (default): sorted per call.
 
     Returns:
         ``(forward_op, backward_op)``: ``CustomOpDef`` s of ``torch.ops.icrl.<name>`` and
         ``torch.ops.icrl.<name>_backward``. Calling ``forward_op`` takes the eager fast path where it can
-        (module docstring).
+        (module docstring): with every argument positional, ``forward_op(*inputs)`` is then
+        ``forward(*inputs)`` inside one ``torch.autograd.Function``, two Python frames from the public
+        function that calls it.
     """
     forward_op = _register(name, forward, forward_fake, traceable)
-    backward_op = _register(f"{name}_backward", backward, backward_fake, traceable)
+    backward_op = _register(f"{name}_backward", _nones_as_empty(backward), backward_fake, traceable)
+    grad_inputs = tuple(grad_inputs)
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         if not materialize_grads:
             ctx.set_materialize_grads(False)
         saved = save(inputs, output)
-        ctx.num_inputs = len(inputs)
-        ctx.tensor_slots = [i for i, v in enumerate(saved) if isinstance(v, torch.Tensor)]
-        ctx.constants = [None if isinstance(v, torch.Tensor) else v for v in saved]
-        ctx.save_for_backward(*(saved[i] for i in ctx.tensor_slots))
+        if saved_tensors is not None:  # the layout declared: tensors (or None) first, then constants
+            ctx.save_for_backward(*saved[:saved_tensors])
+            ctx.constants = saved[saved_tensors:]
+            return
+        tensors = [value for value in saved if isinstance(value, _Tensor)]
+        ctx.save_for_backward(*tensors)
+        # Non-tensors are kept as they are, tensors (saved above) as a marker.
+        ctx.constants = [_SAVED_TENSOR if isinstance(value, _Tensor) else value for value in saved]
 
     def gradients(ctx: Any, grad_outputs: tuple, run_backward: Callable[..., Any]) -> tuple:
-        saved = list(ctx.constants)
-        for slot, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
-            saved[slot] = tensor
-        needs = [bool(ctx.needs_input_grad[index]) for index in grad_inputs]
+        if saved_tensors is not None:
+            saved = (*ctx.saved_tensors, *ctx.constants)
+        else:
+            tensors = iter(ctx.saved_tensors)
+            saved = [next(tensors) if value is _SAVED_TENSOR else value for value in ctx.constants]
+        flags = ctx.needs_input_grad
+        needs = [flags[index] for index in grad_inputs]
         extra = (needs,) if pass_needs_grad else ()
         grads = _as_tuple(run_backward(*grad_outputs[:differentiable_outputs], *saved, *extra))
-        result: list[Any] = [None] * ctx.num_inputs
+        result: list[Any] = [None] * len(flags)
         for index, grad, needed in zip(grad_inputs, grads, needs):
-            result[index] = grad if needed else None
+            if needed:
+                result[index] = grad
         return tuple(result)
 
     def autograd_backward(ctx: Any, *grad_outputs: Any) -> tuple:
@@ -364,28 +472,21 @@ def differentiable_op(
 
     forward_op.register_autograd(autograd_backward, setup_context=setup_context)
 
-    def fast_forward(ctx: Any, *inputs: Any) -> Any:
-        output = forward(*inputs)
-        setup_context(ctx, inputs, output)
-        return output
-
     def fast_backward(ctx: Any, *grad_outputs: Any) -> tuple:
         # create_graph=True (grad mode on) or a mode/subclass now active: the registered backward op, whose
         # behaviour (no double backward, tracing) the fast path must not change.
-        direct = not torch.is_grad_enabled() and _plain_eager_call(grad_outputs)
+        direct = not _grad_enabled() and _plain_eager_call(grad_outputs)
         return gradients(ctx, grad_outputs, backward if direct else backward_op)
 
-    # The registered op's autograd without the dispatcher: the same setup_context and backward. Named
-    # ``<name>_fast`` so that its grad_fn reads ``<name>_fastBackward``.
-    FastFunction = type(
+    # The registered op's autograd without the dispatcher: ``forward`` itself, the same setup_context and
+    # backward. Named ``<name>_fast`` so that its grad_fn reads ``<name>_fastBackward``.
+    function = type(
         f"{name}_fast",
         (torch.autograd.Function,),
-        {"forward": staticmethod(fast_forward), "backward": staticmethod(fast_backward)},
+        {
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(fast_backward),
+        },
     )
-
-    def fast(*args: Any) -> Any:
-        if _needs_autograd(args):
-            return FastFunction.apply(*args)
-        return forward(*args)
-
-    return _with_fast_call(forward_op, fast), backward_op
+    return _with_fast_call(forward_op, name, forward, compat.direct_apply(function)), backward_op

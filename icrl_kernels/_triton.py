@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -15,6 +17,7 @@ except ImportError as error:  # the eager paths need no Triton; only the kernel 
     ) from error
 
 from ._backend import triton_interpreter_enabled
+from ._torch_compat import dispatch_mode_depth
 
 #: Every kernel made by :func:`autotune`, in import order (see :func:`imported_autotuned_kernels`).
 _AUTOTUNED: list = []
@@ -72,8 +75,7 @@ def imported_autotuned_kernels() -> list:
     return list(_AUTOTUNED)
 
 
-#: ``torch.library.wrap_triton`` (torch >= 2.6), else None.
-_wrap_triton = getattr(torch.library, "wrap_triton", None)
+_wrap_triton = torch.library.wrap_triton
 
 
 def launch(kernel, grid):
@@ -84,17 +86,36 @@ def launch(kernel, grid):
 
     Outside tracing the wrapper would only add a higher-order-op dispatch to every launch, so plain eager
     calls launch directly. Under ``TRITON_INTERPRET=1`` kernels are never wrapped: the interpreter runs them
-    on the host at once (it cannot run on fake tensors), and older torch's ``wrap_triton`` rejects
-    interpreted kernels.
+    on the host at once (it cannot run on fake tensors).
     """
-    if _wrap_triton is not None and _tracing() and not triton_interpreter_enabled():
+    if _tracing() and not triton_interpreter_enabled():
         return _wrap_triton(kernel)[grid]
     return kernel[grid]
 
 
 def _tracing() -> bool:
     """Whether a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active."""
-    return torch._C._len_torch_dispatch_stack() > 0 or torch.compiler.is_compiling()
+    return dispatch_mode_depth() > 0 or torch.compiler.is_compiling()
+
+
+def per_signature(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a launcher's grid, block sizes, constexprs and output layouts, from sizes, strides, dtypes and
+    options) computed once per distinct arguments: a repeated call is one ``functools.lru_cache`` lookup.
+
+    While torch traces with symbolic sizes (``torch.compile(dynamic=True)`` into a ``triton_op``) the
+    arguments cannot be hashed, and ``fn`` runs every time. At most 256 signatures are kept.
+    """
+    cached = functools.lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> Any:
+        try:
+            return cached(*args)
+        except TypeError:  # a SymInt: "unhashable type: non-nested SymInt"
+            return fn(*args)
+
+    call.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return call
 
 
 def size_bucket(size: int) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-_functorch = torch._C._functorch  # is_batchedtensor / get_unwrapped: tensors inside torch.func.vmap
+from ._torch_compat import assert_async, is_batched_tensor, unwrap_batched
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 KERNEL_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -323,15 +323,15 @@ def check_values(bad: torch.Tensor, message: str, details: Callable[[], str] | N
     """
     if _value_check_mode == "off":
         return
-    batched = _functorch.is_batchedtensor(bad)
-    while _functorch.is_batchedtensor(bad):  # inside torch.func.vmap: the check covers every vmapped slice
-        bad = _functorch.get_unwrapped(bad).any()
+    batched = is_batched_tensor(bad)
+    while is_batched_tensor(bad):  # inside torch.func.vmap: the check covers every vmapped slice
+        bad = unwrap_batched(bad).any()
     if synchronous_value_checks(bad.device):
         if bool(bad):
             # details() would read values of the vmapped tensors, which vmap forbids: the message alone there.
             raise ValueError(message + (details() if details is not None and not batched else ""))
         return
-    torch._assert_async(~bad, message)
+    assert_async(~bad, message)
 
 
 def check_status_codes(

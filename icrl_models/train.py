@@ -65,6 +65,7 @@ from .batched import StackedRuns
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
 from .cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, pinned, use_cuda_graph
 from .data import (
+    DatasetError,
     GenerateConfig,
     HistoryWindows,
     LearningHistories,
@@ -73,8 +74,7 @@ from .data import (
     local_action_batch,
     save_histories,
 )
-from .data.generate import BANDITS, ENV_NAMES, build_env
-from .envs.splits import grid_task_split
+from .data.generate import BANDITS, ENV_HELP, TASKS_HELP, build_env, check_env_and_tasks, is_gym_env, split_size
 from .evaluate import EvalReport, evaluate, make_report, reference_returns, rollout_runs
 from .generators import make_agent
 from .lifecycle import (
@@ -103,7 +103,8 @@ class TrainConfig:
     """One run. Model knobs follow the N-gram paper's Table 1; defaults are the CPU-sized main job."""
 
     # -- data --------------------------------------------------------------------------------------
-    env: str = dataclasses.field(default="dark_room", metadata={"help": f"one of {ENV_NAMES}"})
+    env: str = dataclasses.field(default="dark_room", metadata={"help": ENV_HELP, "aliases": ("--gym",)})
+    tasks: str | None = dataclasses.field(default=None, metadata={"help": TASKS_HELP})
     data: str | None = dataclasses.field(
         default=None, metadata={"help": "training dataset (icrl-data); default: generate into the run folder"}
     )
@@ -197,8 +198,11 @@ class TrainConfig:
         check_trackers(self.track)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ValueError(f"threads must be an int >= 0 (0: automatic), got {self.threads!r}")
-        if self.env not in ENV_NAMES:
-            raise ValueError(f"env must be one of {ENV_NAMES}, got {self.env!r}")
+        if self.data is not None and self.tasks is not None:
+            raise ValueError("tasks (--tasks) generate the training data; a dataset (--data) records its own")
+        check_env_and_tasks(self.env, self.tasks, needed=self.data is None)
+        if self.tasks is not None:  # the task list and its split, checked before anything runs
+            self.generate_config("train", self.num_histories, self.source_episodes)
         if self.model not in MODEL_KINDS:
             raise ValueError(f"model must be one of {MODEL_KINDS}, got {self.model!r}")
         self.cuda_graph = cuda_graph_mode(self.cuda_graph)
@@ -223,9 +227,11 @@ class TrainConfig:
         """The n-gram sizes the model gets: ``ngram_sizes`` for ``ngram_ad``, none for the other models."""
         return self.ngram_sizes if self.model == "ngram_ad" else ()
 
-    def generate_config(self, split: str, num_histories: int, num_episodes: int) -> GenerateConfig:
+    def generate_config(self, split: str, num_histories: int, num_episodes: int, **overrides) -> GenerateConfig:
+        """The data config of ``split`` for this run; ``overrides`` replace fields (a gymnasium evaluation takes the
+        tasks and time limit its training data recorded)."""
         evaluating = split == "test"
-        return GenerateConfig(
+        settings = dict(
             env=self.env,
             split=split,
             num_histories=num_histories,
@@ -238,7 +244,9 @@ class TrainConfig:
             else None,
             action_set=self.eval_action_set if evaluating else self.action_set,
             seed=self.seed,
+            tasks=self.tasks,
         )
+        return GenerateConfig(**{**settings, **overrides})
 
     def model_config(self, histories: LearningHistories) -> ADConfig | HeadlessADConfig:
         env = histories.metadata["env"]
@@ -306,6 +314,8 @@ def run_identity(config: TrainConfig) -> dict:
     identity["ngram_sizes"] = ",".join(str(n) for n in config.ngram_sizes)
     if config.step_tokens != "joint":  # added later: compared only when set, so earlier runs still resume
         identity["step_tokens"] = config.step_tokens
+    if config.tasks is not None:  # likewise
+        identity["tasks"] = config.tasks
     return identity
 
 
@@ -360,25 +370,41 @@ class Distributed:
 
 def load_or_generate(config: TrainConfig, run_dir: Path, ddp: Distributed) -> LearningHistories:
     """The training histories: ``config.data``, or ``run_dir/train.icrl`` generated once (by rank 0)."""
-    generate = config.generate_config("train", config.num_histories, config.source_episodes)
     if config.data is not None:
-        return load_histories(config.data, expect={"split": "train"})
+        histories = load_histories(config.data, expect={"split": "train"})
+        name = histories.metadata["env"]["name"]
+        if name != config.env and (is_gym_env(config.env) or "tasks" in histories.metadata):  # gymnasium data
+            raise DatasetError(f"{config.data} holds learning histories of {name!r}, not of env {config.env!r}: "
+                               f"pass --env {name}")  # fmt: skip
+        return histories
+    generate = config.generate_config("train", config.num_histories, config.source_episodes)
     path = run_dir / "train.icrl"
-    expected = {"env": {"name": config.env}, "config": dataclasses.asdict(generate)}
+    expected = {"env": {"name": config.env}, "config": generate.as_metadata()}
     if ddp.is_main and not path.exists():
         save_histories(generate_histories(generate, progress=config.progress), path)
     ddp.barrier()
-    return load_histories(path, expect=expected)
+    histories = load_histories(path, expect=expected)
+    if is_gym_env(config.env) and histories.metadata["tasks"] != generate.task_split().to_json():
+        raise DatasetError(f"{path} was generated from other tasks than {config.tasks} gives now: remove it to "
+                           "generate the data again, or use another --out-dir")  # fmt: skip
+    return histories
 
 
-def make_eval_env_factory(config: TrainConfig):
-    """``seed -> BatchedEnv`` over the held-out (test-split) tasks, ``eval_envs_per_task`` rollouts each."""
+def make_eval_env_factory(config: TrainConfig, histories: LearningHistories | None = None):
+    """``seed -> BatchedEnv`` over the held-out (test-split) tasks, ``eval_envs_per_task`` rollouts each; for a
+    gymnasium environment, the held-out tasks and time limit that the training data ``histories`` recorded."""
     if config.env in BANDITS:  # every bandit is its own task, drawn from the evaluation distribution
         generate = config.generate_config("test", config.eval_tasks or DEFAULT_EVAL_BANDITS, 1)
     else:
-        num_tasks = config.eval_tasks or grid_task_split(config.env, num_train=config.num_train_tasks)["test"].size
-        generate = config.generate_config("test", int(num_tasks) * config.eval_envs_per_task, 1)
-        generate.num_tasks = config.eval_tasks
+        recorded = {}
+        if histories is not None and is_gym_env(config.env):
+            meta = histories.metadata
+            recorded = {"tasks": json.dumps(meta["tasks"]), "num_train_tasks": None,
+                        "episode_length": meta["env"]["config"]["episode_length"]}  # fmt: skip
+        generate = config.generate_config("test", 1, 1, **recorded)
+        num_tasks = config.eval_tasks or split_size(generate)
+        generate = dataclasses.replace(generate, num_histories=num_tasks * config.eval_envs_per_task,
+                                       num_tasks=config.eval_tasks)  # fmt: skip
     # A partial of a module-level function: ``make.args[0]`` tells which environments it builds (batched
     # evaluation shares the references of runs evaluated on the same ones).
     return functools.partial(_eval_env, generate)
@@ -399,7 +425,7 @@ def evaluation_settings(config: TrainConfig, histories: LearningHistories) -> di
     fix (all but the model, the seed and the progress bar)."""
     source = histories.metadata["generator"]
     return {
-        "make_env": make_eval_env_factory(config),
+        "make_env": make_eval_env_factory(config, histories),
         "num_episodes": config.eval_episodes,
         "source": make_agent(source["name"], **source["config"]),
         "source_episodes": int(histories.metadata["num_episodes"]),

@@ -843,7 +843,7 @@ def test_package_metadata_and_typed_markers():
     project = pyproject["project"]
     assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
-    assert project["optional-dependencies"]["gym"] == ["gymnasium>=0.29"]
+    assert project["optional-dependencies"]["gym"] == ["gymnasium>=0.29", "pyyaml>=6"]
     entry = project["entry-points"]["gymnasium.envs"]["icrl"]
     module, _, name = entry.partition(":")
     assert callable(getattr(importlib.import_module(module), name))

@@ -225,6 +225,28 @@ def test_chunks_cover_every_row_once_and_stay_in_their_budget(monkeypatch, case:
     assert logit_blocks and all(4 * math.prod(shape) <= budget for shape in logit_blocks), logit_blocks
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_rows", [0, 10**6], ids=["torch-count", "kernel-count"])
+def test_small_mean_counts_its_rows(monkeypatch, device, max_rows):
+    """The small kernel's mean: its rows counted by the kernel itself (up to ``COUNT_IN_KERNEL_MAX_ROWS`` rows of
+    one run: no torch op around the launch) or by torch ops, the same loss and gradient either way, also where
+    every row is padding (NaN, gradient 0); a spy on the torch ops shows which one ran."""
+    from icrl_kernels.contrastive import small_kernels
+
+    monkeypatch.setattr(small_kernels, "COUNT_IN_KERNEL_MAX_ROWS", max_rows)
+    counts = []
+    real_count = small_kernels.count_rows
+    monkeypatch.setattr(small_kernels, "count_rows", lambda *args: counts.append(args) or real_count(*args))
+    case = CASES["A7-BTD-maskBA-tau1.7"]
+    inputs = make_inputs(case, torch.float32, device, seed=61)
+    check_infonce_parity(inputs, "triton", tau=case.tau, reduction="mean", algorithm=SMALL, embeds_grad=False)
+    pred = inputs.pred.clone().requires_grad_(True)
+    padding = torch.full_like(inputs.targets, IGNORE)
+    loss = infonce_loss(pred, inputs.embeds, padding, backend="triton", algorithm=SMALL)
+    assert torch.isnan(loss) and not torch.autograd.grad(loss, pred)[0].any()
+    assert bool(counts) == (max_rows == 0), counts
+
+
 # --- InfoNCE: edge cases, on every new path --------------------------------------------------------------
 
 NEW_PATHS = [pytest.param(algorithm, device, id=f"{algorithm}-{device}") for algorithm in (SMALL, *CHUNKED)
@@ -522,6 +544,41 @@ def test_no_host_reads(algorithm, device):
         with gpu_value_checks(), HostReadDetector() as detector:
             run()
     assert not detector.reads, f"{algorithm} reads device values on the host: {detector.reads}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", [SMALL, FUSED])
+def test_ops_launch_two_frames_below_their_forward(monkeypatch, algorithm, device):
+    """The ops' implementations reach the launch through one function, the table's entry (its launcher):
+    ``_forward`` / ``_select`` -> the entry -> ``launch`` (the backward, which autograd calls, may take one more).
+    With the registered op's fast path (public function -> the op's ``__call__`` -> its forward) that is the
+    issue's five frames from the public function to the launch, at the action counts these algorithms serve (the
+    chunked ones, for ``A >= 1024``, loop over chunks in a few more)."""
+    import sys
+
+    from icrl_kernels.contrastive import function, fused_kernels, small_kernels
+
+    impls = {function._forward.__code__, function._select.__code__}
+    depths = []
+    for module in (fused_kernels, small_kernels):
+        real = module.launch
+
+        def spy(kernel, grid, real=real):
+            frame, depth = sys._getframe(1), 1
+            while frame is not None and frame.f_code not in impls:
+                frame, depth = frame.f_back, depth + 1
+            depths.append((frame.f_code.co_name if frame else None, depth))
+            return real(kernel, grid)
+
+        monkeypatch.setattr(module, "launch", spy)
+    pred = torch.randn(2, 5, 16, device=device, requires_grad=True)
+    embeds = torch.randn(7, 16, device=device)
+    targets = torch.randint(0, 7, (2, 5), device=device)
+    infonce_loss(pred, embeds, targets, backend="triton", algorithm=algorithm).backward()
+    select_actions(pred.detach(), embeds, backend="triton", algorithm=algorithm)
+    called = [(name, depth) for name, depth in depths if name is not None]  # (the backward's launches: None)
+    assert {name for name, _ in called} == {"_forward", "_select"}, depths
+    assert max(depth for _, depth in called) == 2, depths
 
 
 def test_dispatch_by_number_of_actions():

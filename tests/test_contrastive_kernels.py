@@ -59,7 +59,7 @@ from icrl_kernels.contrastive import (
     select_actions_reference,
 )
 from icrl_kernels.contrastive import eager as contrastive_eager
-from icrl_kernels.contrastive.algorithms import FUSED
+from icrl_kernels.contrastive.algorithms import FUSED, INFONCE_ALGORITHMS
 from icrl_kernels.contrastive.function import infonce_backward_op, infonce_op, padded_mask, select_actions_op
 from icrl_kernels.modules.action_map import ActionMap
 from icrl_kernels.testing import (
@@ -436,8 +436,19 @@ def test_opcheck(backend, device):
     torch.library.opcheck(select_actions_op, (pred.detach(), embeds.detach(), None, 0.7, False, seed * 0, impl))
 
 
-@pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_torch_compile_fullgraph_matches_eager(backend, device):
+COMPILE_PATHS = [pytest.param("eager", "auto", "cpu", id="eager")] + [
+    pytest.param("triton", algorithm, device, id=f"{algorithm}-{device}")
+    for device in TRITON_DEVICES
+    for algorithm in INFONCE_ALGORITHMS
+]
+
+
+@pytest.mark.parametrize("backend,algorithm,device", COMPILE_PATHS)
+def test_torch_compile_fullgraph_matches_eager(backend, algorithm, device):
+    """A training step with both ops compiles without a graph break (``fullgraph=True``; the ops are
+    ``triton_op``s, or opaque custom ops under the interpreter) and gives the eager loss, gradients and actions;
+    the compiled graph still rejects bad targets (their check lives inside the op). Inductor for the fused
+    algorithm, ``aot_eager`` (the same graph capture, no code generation) for the others."""
     gen = torch.Generator().manual_seed(14)
     pred = torch.randn(3, 7, 16, generator=gen).to(device)
     embeds = torch.randn(5, 16, generator=gen).to(device)
@@ -445,23 +456,137 @@ def test_torch_compile_fullgraph_matches_eager(backend, device):
     targets[0, 0] = IGNORE
 
     def step(p, e, t):
-        return infonce_loss(p, e, t, tau=0.7, backend=backend) * 3.0
+        loss = infonce_loss(p, e, t, tau=0.7, backend=backend, algorithm=algorithm) * 3.0
+        return loss, select_actions(p.detach(), e.detach(), mode="argmax", backend=backend, algorithm=algorithm)
 
-    compiled = torch.compile(step, fullgraph=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if algorithm in ("auto", FUSED) else "aot_eager")
     p1, e1 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
     p2, e2 = pred.clone().requires_grad_(True), embeds.clone().requires_grad_(True)
-    out = compiled(p1, e1, targets)
+    out, actions = compiled(p1, e1, targets)
     out.backward()
-    expected = step(p2, e2, targets)
+    expected, expected_actions = step(p2, e2, targets)
     expected.backward()
     assert_close_rel(out.detach(), expected.detach(), name="compiled loss")
     assert_close_rel(p1.grad, p2.grad, name="compiled grad_pred")
     assert_close_rel(e1.grad, e2.grad, name="compiled grad_embeds")
-    # The target checks live inside the opaque op, so the compiled graph still rejects bad targets.
+    assert torch.equal(actions, expected_actions)
     bad = targets.clone()
     bad[1, 1] = 5
     with pytest.raises(ValueError, match="targets must lie in"):
         compiled(p1, e1, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="traced kernels run on CUDA only (not the interpreter)")
+@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
+def test_torch_compile_traces_into_the_kernels(algorithm):
+    """On CUDA the ops are ``triton_op``s: AOTAutograd's forward and backward graphs hold the Triton kernels
+    (``triton_kernel_wrapper_functional``) and the torch ops around them, not an opaque ``icrl`` op, and the
+    compiled step gives the eager values and gradients."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from icrl_kernels._library import uses_triton_op
+
+    if not uses_triton_op():
+        pytest.skip("the ops are plain custom ops in this process (ICRL_TRITON_OP=0)")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    gen = torch.Generator(device="cuda").manual_seed(15)
+    pred = torch.randn(4, 50, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    embeds = torch.randn(100, 64, generator=gen, device="cuda", dtype=torch.bfloat16) / 8
+    targets = torch.randint(0, 100, (4, 50), generator=gen, device="cuda")
+
+    def step(p, e, t):
+        actions = select_actions(p.detach(), e, mode="argmax", algorithm=algorithm)
+        return infonce_loss(p, e, t, tau=0.7, algorithm=algorithm), actions
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture, bw_compiler=capture))
+    loss, _ = compiled(pred, embeds, targets)
+    (grad,) = torch.autograd.grad(loss, pred)
+    expected_grad = torch.autograd.grad(step(pred, embeds, targets)[0], pred)[0]
+    assert_close_rel(grad, expected_grad, rms_tol=RMS_TOLERANCE[torch.bfloat16], name="compiled grad_pred")
+    for graph in graphs:
+        targets_called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+        assert any("triton_kernel_wrapper" in name for name in targets_called), targets_called
+        assert not any(name.startswith("icrl.") for name in targets_called), targets_called
+
+
+_TRACE_INTO_KERNELS = """
+import json
+
+import torch
+import triton
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from triton.backends.compiler import GPUTarget
+
+import icrl_kernels as ik
+from icrl_kernels import _backend, _library
+
+assert _library.uses_triton_op(True), "no triton_op registration in this process"
+_backend.triton_runs_on = lambda device: True  # CPU tensors take the Triton backend: traced, never run
+
+
+class OfflineDriver:  # the target torch's trace lowers each kernel for (to find the arguments it writes)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(OfflineDriver())
+targets, embeds = torch.randint(0, 7, (2, 5)), torch.randn(7, 16)
+
+
+def stand_in(gm, example_inputs):  # zeros of the graph's output shapes: the traced kernels need a GPU to run
+    outputs = [getattr(node, "meta", {}).get("val") for node in gm.graph.output_node().args[0]]
+    graphs.append(gm)
+    return make_boxed_func(lambda *args: [torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor) else o
+                                          for o in outputs])
+
+
+for algorithm in ("small", "fused", "row_chunks", "action_chunks"):
+    calls = {
+        "infonce_loss": lambda p: ik.infonce_loss(p, embeds, targets, tau=0.7, backend="triton", algorithm=algorithm),
+        "select_actions": lambda p: ik.select_actions(p, embeds, backend="triton", algorithm=algorithm),
+    }
+    for op, call in calls.items():
+        graphs = []
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=True, backend=aot_autograd(fw_compiler=stand_in, bw_compiler=stand_in))
+        out = compiled(torch.randn(2, 5, 16, requires_grad=op == "infonce_loss"))
+        if out.requires_grad:
+            out.float().sum().backward()
+        names = [[str(node.target) for node in gm.graph.nodes if node.op == "call_function"] for gm in graphs]
+        kernels = [sum("triton_kernel_wrapper" in name for name in graph) for graph in names]
+        icrl_ops = [name for graph in names for name in graph if name.startswith("icrl.")]
+        print(json.dumps({"case": f"{op}-{algorithm}", "kernels": kernels, "icrl_ops": icrl_ops}))
+"""
+
+
+@pytest.mark.slow  # a fresh Python compiles eight functions (about 20 s)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test compiles and runs the ops for real")
+def test_traceable_ops_compile_into_their_kernels():
+    """Without the interpreter the ops are ``triton_op``s: ``torch.compile(fullgraph=True)`` of each algorithm of
+    both public functions has no graph break and traces through the op into its Triton kernels: the forward
+    graph (and the loss's backward graph) hold kernels and no ``icrl`` op (sampling: the seed drawn in the graph
+    too). Traced, not run (no GPU here); the compiled values are checked under the interpreter above."""
+    from benchmarks.kernel_tools import run_offline_compile
+
+    reports = {report["case"]: report for report in run_offline_compile(_TRACE_INTO_KERNELS)}
+    assert set(reports) == {f"{op}-{algorithm}" for op in ("infonce_loss", "select_actions")
+                            for algorithm in INFONCE_ALGORITHMS}  # fmt: skip
+    for case, report in reports.items():
+        assert not report["icrl_ops"], report
+        graphs = report["kernels"]
+        assert len(graphs) == (2 if case.startswith("infonce") else 1) and graphs[0] >= 1, report
+        if case == "infonce_loss-fused":  # the backward kernels (the small and chunked ones scale in the backward)
+            assert graphs[1] >= 1, report
 
 
 def test_torch_compile_fullgraph_with_mask():
@@ -902,6 +1027,9 @@ COMMON_ERRORS = [
     _bad("mask-shape-BTA", ValueError, "mask must have shape", mask=torch.ones(2, 4, 4, dtype=torch.bool)),
     _bad("mask-all-false-row", ValueError, "mask leaves a row", mask=torch.tensor([[True] * 4, [False] * 4])),
     _bad("backend", ValueError, "backend must be one of", backend="cuda"),
+    _bad("algorithm", ValueError, "algorithm must be one of", algorithm="tiled"),
+    _bad("algorithm-off-triton", ValueError, "algorithm='fused' runs on the Triton backend", algorithm="fused",
+         backend="eager"),
 ]  # fmt: skip
 
 LOSS_ERRORS = [
@@ -931,6 +1059,33 @@ def test_select_bad_input_names_the_argument(transform, error, match):
     args.pop("targets")
     with pytest.raises(error, match=match):
         select_actions(args.pop("pred"), args.pop("action_embeds"), **args)
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    """A repeated argument signature skips the argument checks (one lookup); a change of any shape, dtype or
+    device, or of an option's value or type, is a new signature, checked in full. Bad input raises at every
+    call, also right after the same call with good input (``tau=True`` after ``tau=1.0``: equal, not the same)."""
+    from icrl_kernels.contrastive import checks
+
+    calls = []
+    real = checks.check_pred_and_map
+    monkeypatch.setattr(checks, "check_pred_and_map", lambda *args: calls.append(args) or real(*args))
+    monkeypatch.setattr(checks, "_PLANS", {})
+    args = _base_args()
+    for _ in range(3):
+        infonce_loss(**args, backend="eager")
+        select_actions(args["pred"], args["action_embeds"], mode="argmax", backend="eager")
+    assert len(calls) == 2, "one check per op and signature"
+    infonce_loss(args["pred"][:1], args["action_embeds"], args["targets"][:1], backend="eager")
+    infonce_loss(**args, tau=1, backend="eager")  # an int: another type than the float 1.0
+    assert len(calls) == 4
+    for _ in range(2):
+        with pytest.raises(TypeError, match="tau must be a real number"):
+            infonce_loss(**args, tau=True, backend="eager")
+        with pytest.raises(ValueError, match="reduction must be one of"):
+            infonce_loss(**args, reduction="avg", backend="eager")
+        with pytest.raises(TypeError, match="pred must be a torch.Tensor"):
+            infonce_loss(args["pred"].tolist(), args["action_embeds"], args["targets"], backend="eager")
 
 
 @pytest.mark.parametrize("backend,device", ALL_PATHS)
@@ -988,7 +1143,7 @@ def test_forward_status_flags_each_row_as_the_checks_do(num_actions, masked):
 
     mask3 = padded_mask(mask.to(torch.uint8)).to(device) if masked else None
     losses, lse, status, _, _ = infonce_forward(pred.to(device), embeds.to(device), targets.to(device), mask3, 0.5,
-                                                ignore, None, False, False)  # fmt: skip
+                                                ignore, "none", 1, False, False)  # fmt: skip
     assert torch.equal(status.cpu(), expected)
     fine = expected == 0
     assert torch.isfinite(losses.cpu()[fine]).all() and torch.isfinite(lse.cpu()[fine]).all()
@@ -1334,8 +1489,10 @@ for (A, masked, D), dtype in itertools.product(SHAPES, ["bf16", "fp32"]):
         jobs += config_jobs(k._select_actions_kernel, {**signature, "out_ptr": "*i64"},
                             {**flags, "BLOCK_A": k._block_a(A, half)}, **info)
     if A <= 128:  # the small algorithm: one action tile, the gradient for pred in the same kernel (any width)
-        jobs += config_jobs(sk._infonce_small_kernel, signature,
-                            {**flags, "BLOCK_A": 128, "WRITE_GRAD": True, "ROW_WEIGHTS": sk.WEIGHT_MEAN}, **info)
+        # The mean counted by the kernel (a small call), and counted by torch with the lse the map's gradient reads.
+        for weights, store_lse in ((sk.WEIGHT_MEAN_COUNTED, False), (sk.WEIGHT_MEAN, True)):
+            jobs += config_jobs(sk._infonce_small_kernel, signature, {**flags, "BLOCK_A": 128, "WRITE_GRAD": True,
+                                "ROW_WEIGHTS": weights, "STORE_LSE": store_lse}, **info, weights=weights)
     elif D == 512:  # the chunk kernels read logits, not pred: the width does not matter
         for stats, first, last, grad in ((True, True, True, True), (True, True, False, False),
                                          (True, False, True, False), (False, False, False, True)):

@@ -243,6 +243,11 @@ def test_modes_and_subclasses_take_the_dispatcher():
     assert torch.equal(mapped, looped) and mapped.requires_grad
 
 
+#: Token ids of the n-gram cases below: three ids, a padded tail.
+_NGRAM_IDS = torch.randint(0, 3, (2, 13), generator=torch.Generator().manual_seed(5))
+_NGRAM_IDS[1, -3:] = -1
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "op,make_inputs,call",
@@ -253,12 +258,20 @@ def test_modes_and_subclasses_take_the_dispatcher():
          lambda impl, k, a: ik.smeared_keys(k, a, backend=impl)),
         ("inject_layer_norm", lambda: (torch.randn(2, 5, 8), torch.randn(2, 5, 8), None, torch.ones(8), None),
          lambda impl, *args: ik.inject_layer_norm(*args, backend=impl)[1]),
+        ("ngram_attention", lambda: (torch.randn(2, 13, 6),),
+         lambda impl, h: ik.ngram_attention(h, _NGRAM_IDS, 2, backend=impl, algorithm="sort" if impl == "triton"
+                                            else "auto")),
+        ("ngram_attention_tiled", lambda: (torch.randn(2, 13, 16),),
+         lambda impl, h: ik.ngram_attention(h, _NGRAM_IDS, 2, backend=impl, algorithm="tiled")),
     ],
     ids=lambda value: value if isinstance(value, str) else "",
 )  # fmt: skip
 def test_compile_keeps_the_op_in_the_graph(impl, op, make_inputs, call):
     """Dynamo records the registered op (not the fast path's autograd.Function) and the compiled result
-    and gradients match the eager fast path."""
+    and gradients match the eager fast path. (Without the interpreter the ops are ``triton_op`` s and
+    the compiled graph holds their kernels instead: ``test_traceable_ops_compile_into_their_kernels``.)"""
+    if op == "ngram_attention_tiled" and impl != "triton":
+        pytest.skip("the tiled n-gram kernel is Triton-only")
     graphs = []
 
     def capture(gm, example_inputs):
@@ -296,8 +309,6 @@ def _toy_backward(grad: torch.Tensor, impl: str) -> torch.Tensor:
 def toy_op():
     """A differentiable op registered as a ``triton_op`` traceable for ``impl="traced"`` only (forced here,
     since under ``TRITON_INTERPRET=1`` the package's ops are plain custom ops)."""
-    if _library._TRITON_OP is None:
-        pytest.skip("torch.library.triton_op needs torch >= 2.6")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(_library, "triton_interpreter_enabled", lambda: False)
         patch.delenv("ICRL_TRITON_OP", raising=False)
@@ -349,13 +360,106 @@ def test_triton_op_is_kept_whole_by_export(toy_op):
 
 def test_registration_choice():
     assert not _library.uses_triton_op(False)
-    if _library._TRITON_OP is None:
-        assert not _library.uses_triton_op(True)
     # Interpreted kernels run on the host at once and cannot be traced: never triton_op under the interpreter.
     from icrl_kernels._backend import triton_interpreter_enabled
 
     if triton_interpreter_enabled():
         assert not _library.uses_triton_op(True)
+
+
+_TRACE_INTO_KERNELS = """
+import json
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+import icrl_kernels as ik
+from icrl_kernels import _backend, _library
+
+assert _library.uses_triton_op(True), "no triton_op registration in this process"
+_backend.triton_runs_on = lambda device: True  # CPU tensors take the Triton backend: traced, never run
+
+
+class OfflineDriver:
+    # What torch's trace of a kernel asks the driver: the target to lower the kernel to TTIR for, to find
+    # which arguments it writes (without a driver it assumes every one, and the partition fails).
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+triton.runtime.driver.set_active(OfflineDriver())
+
+
+def leaves(*shapes):
+    return [torch.randn(*shape, requires_grad=True) for shape in shapes]
+
+
+ids = torch.randint(0, 4, (2, 24))
+cases = {
+    "ngram_attention-sort": (lambda: leaves((2, 24, 16)),
+                             lambda h: ik.ngram_attention(h, ids, 2, backend="triton", algorithm="sort")),
+    "ngram_attention-tiled": (lambda: leaves((2, 24, 16)),
+                              lambda h: ik.ngram_attention(h, ids, 2, backend="triton", algorithm="tiled")),
+    "mixture_of_heads": (lambda: leaves((2, 5, 3, 16), (2, 5, 3)),
+                         lambda h, g: ik.mixture_of_heads(h, g, backend="triton")),
+    "smeared_keys": (lambda: leaves((2, 3, 5, 16), (3,)), lambda k, a: ik.smeared_keys(k, a, backend="triton")),
+    "inject_layer_norm": (lambda: leaves((2, 5, 16), (2, 5, 16), (5, 16), (16,), (16,)),
+                          lambda *args: ik.inject_layer_norm(*args, backend="triton")[1]),
+    "gated_attention": (lambda: leaves((2, 3, 5, 16), (2, 3, 5, 16), (2, 3, 5, 16), (2, 5, 3), (3,)),
+                        lambda q, k, v, g, a: ik.gated_attention(q, k, v, g, smear_alpha=a, backend="triton")),
+}
+
+
+def stand_in(gm, example_inputs):
+    # Zeros of the graph's output shapes: the traced kernels need a GPU to run.
+    outputs = [getattr(node, "meta", {}).get("val") for node in gm.graph.output_node().args[0]]
+    graphs.append(gm)
+    return make_boxed_func(lambda *args: [torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor) else o
+                                          for o in outputs])
+
+
+for name, (make_inputs, call) in cases.items():
+    graphs = []
+    torch._dynamo.reset()
+    compiled = torch.compile(call, fullgraph=True, backend=aot_autograd(fw_compiler=stand_in, bw_compiler=stand_in))
+    out = compiled(*make_inputs())
+    out.float().sum().backward()
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    print(json.dumps({"case": name, "graphs": len(graphs),
+                      "kernels": sum("triton_kernel_wrapper" in target for target in targets),
+                      "icrl_ops": [target for target in targets if target.startswith("icrl.")]}))
+"""
+
+#: Triton kernels in the forward and backward graphs of each case of ``_TRACE_INTO_KERNELS``.
+TRACED_KERNELS = {
+    "ngram_attention-sort": 5,  # the plan's rank, key and meta kernels, the forward, the backward
+    "ngram_attention-tiled": 2,
+    "mixture_of_heads": 2,
+    "smeared_keys": 3,  # forward; backward and its alpha-gradient kernel
+    "inject_layer_norm": 3,  # forward; backward and the parameters' gradients
+    "gated_attention": 6,  # forward; preprocess, dk/dv, dq, and smeared keys' two backward kernels
+}
+
+
+@pytest.mark.slow  # a fresh Python compiles six functions (about 7 s)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile and run the ops for real")
+def test_traceable_ops_compile_into_their_kernels():
+    """Without the interpreter the ops are ``triton_op`` s: ``torch.compile(fullgraph=True)`` of each public
+    function has no graph break and traces through the op into its Triton kernels (the forward and backward
+    graphs hold the kernels, no ``icrl`` op). The kernels are traced, not run (no GPU here); the values and
+    gradients of compiled calls are checked under the interpreter (``test_compile_keeps_the_op_in_the_graph``
+    and each op's compile test)."""
+    from benchmarks.kernel_tools import run_offline_compile
+
+    reports = {report["case"]: report for report in run_offline_compile(_TRACE_INTO_KERNELS)}
+    assert set(reports) == set(TRACED_KERNELS)
+    for case, report in reports.items():
+        assert report["graphs"] == 2 and not report["icrl_ops"], report
+        assert report["kernels"] == TRACED_KERNELS[case], report
 
 
 @pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1 (the Triton path on CPU tensors)")
@@ -381,15 +485,17 @@ def test_triton_host_overhead_measure_counts_launches_and_restores_them():
 #: launch costs host time on a GPU (issue: a lean host path for every op), so the counts are pinned: a change
 #: that adds a launch fails here; one that removes a launch lowers its entry.
 LAUNCHES_PER_CALL = {
-    "ngram_attention": (2, 3),
+    "ngram_attention": (2, 2),  # the tiled kernel; no zero gradient made for its match counts
     "ngram_attention (sort path)": (5, 4),
-    "infonce_loss": (1, 7),  # A = 8: the one-kernel algorithm (contrastive/algorithms.py)
+    "infonce_loss": (1, 4),  # A = 8: the small algorithm, its kernel counts the mean (contrastive/small_kernels.py)
     "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
-    "inject_layer_norm": (2, 7),
-    "gated_attention": (4, 3),  # forward, backward preprocess, dk/dv, dq
-    "gated_attention (gated, smeared)": (5, 8),
-    "smeared_keys": (2, 7),
+    # Only the harness's two ops: the unused hidden output's gradient is never materialised (7 before).
+    "inject_layer_norm": (2, 2),
+    # Forward, backward preprocess, dk/dv, dq; the harness's two ops (lse's zero gradient no longer made).
+    "gated_attention": (4, 2),
+    "gated_attention (gated, smeared)": (6, 2),  # + smeared keys' backward and its alpha-gradient kernel
+    "smeared_keys": (3, 2),  # the alpha gradient's reduction is a kernel, not 5 PyTorch ops
 }
 
 
@@ -405,6 +511,42 @@ def test_launches_per_call_are_pinned():
         set_output_poisoning(poisoning)
     counted = {name: (row["triton_launches"], row["torch_kernel_ops"]) for name, row in rows.items()}
     assert counted == LAUNCHES_PER_CALL, "launches per call changed (Triton, PyTorch): update the pin if they fell"
+
+
+#: Most Python frames from a public function (itself included) to the function that launches a kernel: on
+#: a GPU each frame is host time before the launch. The fast path is public function -> the op's
+#: ``__call__`` -> (autograd.Function.apply, in C) -> the op's forward -> the launcher.
+MAX_FRAMES_TO_LAUNCH = 5
+
+
+@pytest.mark.skipif("cpu" not in triton_devices(), reason="needs TRITON_INTERPRET=1 (the Triton path on CPU tensors)")
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_public_functions_are_few_frames_from_their_launches(grad):
+    import sys
+
+    from benchmarks import dispatch_overhead
+
+    names = ("ngram_attention", "mixture_of_heads", "inject_layer_norm", "gated_attention", "smeared_keys")
+    public = {name: getattr(ik, name).__code__ for name in names}
+    depths: dict[str, int] = {}
+
+    def on_launch(kernel):
+        frame, depth = sys._getframe(2), 1  # the launcher (1: this hook, the stub's launch)
+        while frame is not None and frame.f_code not in public.values():
+            frame, depth = frame.f_back, depth + 1
+        if frame is not None:
+            depths[f"{frame.f_code.co_name}:{kernel}"] = max(depth, depths.get(f"{frame.f_code.co_name}:{kernel}", 0))
+
+    cases = {name: case for name, case in dispatch_overhead._cases().items() if name.split(" ")[0] in public}
+    with dispatch_overhead.stubbed_kernel_launches(on_launch), torch.set_grad_enabled(grad):
+        previous = ik.set_value_checks("off")
+        try:
+            for case in cases.values():
+                case.ours("triton", *case.make_inputs())
+        finally:
+            ik.set_value_checks(previous)
+    assert {key.split(":")[0] for key in depths} == set(public)
+    assert max(depths.values()) <= MAX_FRAMES_TO_LAUNCH, depths
 
 
 def test_host_size_arithmetic_equals_tritons():

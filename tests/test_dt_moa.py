@@ -495,6 +495,12 @@ def test_icrl_markov_tiny_end_to_end(tmp_path):
     assert table.startswith("Command: `icrl-markov --steps 6 ") and table.splitlines()[2].startswith("Machine: ")
     assert report["command"] == table.splitlines()[0][len("Command: `") : -1]
     assert "(n=2)" in table  # mean ± sd over the two seeds
+    # Each run keeps its own CPU time, so a rerun that reuses every run still reports what the runs cost.
+    cpu = sum(result["cpu_seconds"] for result in report["results"])
+    assert cpu > 0 and f"the 8 runs' own CPU time, recorded when each trained: {cpu:.0f} s" in table
+    assert main(argv) == 0
+    rerun = (out / "markov.md").read_text()
+    assert f"the 8 runs' own CPU time, recorded when each trained: {cpu:.0f} s" in rerun
     assert main(["--tasks", "nope", "--out-dir", str(out)]) == 2
 
 

@@ -227,6 +227,13 @@ def test_headless_experiment_end_to_end(tmp_path, capsys, monkeypatch):
             and json.loads(key)["select_tau"] == pytest.approx(entry["select_tau"])
         ]  # fmt: skip
         assert np.mean(at_chosen) == pytest.approx(selection[str(entry["temperature"])])
+        # The temperature is chosen on the seen sets only: the unseen set never ran on the selection seed.
+        unseen_at_selection = [
+            key for evaluations in stored for key in evaluations
+            if json.loads(key)["seed"] == 5 and json.loads(key)["eval_num_arms"] == "25"
+        ]  # fmt: skip
+        assert unseen_at_selection == []
+    assert results["selection_sets"] == ["uniform, 4-20 arms", "uniform, 20 arms"]
     ad_scores = results["models"]["ad"]["scores"]
     assert ad_scores["uniform, 25 arms"] is None and ad_scores["uniform, 4-20 arms"] is not None
     assert all(v is not None for v in results["models"]["headless_ad"]["scores"].values())

@@ -213,9 +213,16 @@ def test_wide_offsets_path(monkeypatch):
     """The 64-bit in-entry offsets (chosen for slices of 2^31+ elements) compute the same thing."""
     from icrl_kernels.looped import kernels
 
+    configs = (kernels._forward_config, kernels._backward_config)  # cached per signature: recomputed here
     monkeypatch.setattr(kernels, "_needs_wide_offsets", lambda *args: True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_parity(random_inputs(5, 9, 21, device=device, seed=21), "triton")
+    try:
+        for config in configs:
+            config.cache_clear()
+        check_parity(random_inputs(5, 9, 21, device=device, seed=21), "triton")
+    finally:
+        for config in configs:
+            config.cache_clear()
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
@@ -363,7 +370,7 @@ def job(fn, activation, constexprs, num_warps, **info):
         for name in fn.arg_names if name not in constexprs
     }
     # Triton specialises integer arguments equal to 1 (a contiguous feature stride) into constants.
-    for name in ("stride_yd", "stride_pd", "stride_ed", "stride_hd", "stride_nd"):
+    for name in ("stride_yd", "stride_pd", "stride_ed", "stride_hd", "stride_nd", "stride_w", "stride_bias"):
         if name in signature:
             signature[name] = 1
     return CompileJob(fn, signature, constexprs, num_warps, info={"dtype": activation, **info})
@@ -372,14 +379,18 @@ def job(fn, activation, constexprs, num_warps, **info):
 # The looped transformer's tile (benchmarks/bench_inject_layer_norm.py: D = 256, L = 81..201 all give the same
 # tile) in bf16 and fp32 with every input, and a tiny tile with every flag flipped.
 forward, backward = kernels._inject_layer_norm_forward_kernel, kernels._inject_layer_norm_backward_kernel
-flags = ("WRITE_Y", "WRITE_PROMPT", "WANT_POS", "WANT_WEIGHT", "WANT_BIAS")
+params = kernels._inject_layer_norm_param_grads_kernel
+flags = ("HAS_GRAD_HIDDEN", "HAS_GRAD_NORMED", "WRITE_Y", "WRITE_PROMPT", "WANT_POS", "WANT_WEIGHT", "WANT_BIAS")
+param_flags = ("WANT_POS", "WANT_WEIGHT", "WANT_BIAS")
 jobs = []
 for activation, on, wide, (L, D) in [("bf16", True, False, (201, 256)), ("fp32", True, False, (201, 256)),
                                      ("fp32", False, True, (3, 5))]:
     block_l, block_d, warps = kernels.tile_shape(L, D)
     blocks = {"WIDE": wide, "BLOCK_L": block_l, "BLOCK_D": block_d}
+    param_blocks = {**dict.fromkeys(param_flags, True), "BLOCK": kernels._PARAM_BLOCK}
     jobs += [job(forward, activation, dict(HAS_Y=on, HAS_POS=on, HAS_BIAS=on, **blocks), warps, L=L, D=D, **blocks),
-             job(backward, activation, {**dict.fromkeys(flags, on), **blocks}, warps, L=L, D=D, **blocks)]
+             job(backward, activation, {**dict.fromkeys(flags, on), **blocks}, warps, L=L, D=D, **blocks),
+             job(params, activation, param_blocks, 4, L=L, D=D, BLOCK=kernels._PARAM_BLOCK)]
 compile_offline(jobs)
 """
 
@@ -388,11 +399,15 @@ compile_offline(jobs)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
     """CI has no GPU and runs the kernels in the interpreter, which accepts code the compiler rejects
-    (and the reverse): compile both kernels to an sm_90 cubin (TTIR -> PTX -> ptxas) in a subprocess
+    (and the reverse): compile the three kernels to an sm_90 cubin (TTIR -> PTX -> ptxas) in a subprocess
     without ``TRITON_INTERPRET``, for the looped-transformer tile in bf16 and fp32 and a tiny one with every
     flag flipped, and check that none spills more than ``MAX_SPILL_BYTES`` per thread."""
     from benchmarks.kernel_tools import check_offline_reports
 
     reports = run_offline_compile(_OFFLINE_COMPILE)
-    assert len(reports) == 6
-    check_offline_reports(reports, {"_inject_layer_norm_forward_kernel", "_inject_layer_norm_backward_kernel"})
+    assert len(reports) == 9
+    check_offline_reports(
+        reports,
+        {"_inject_layer_norm_forward_kernel", "_inject_layer_norm_backward_kernel",
+         "_inject_layer_norm_param_grads_kernel"},
+    )  # fmt: skip

@@ -98,9 +98,8 @@ def test_int32_ids_accepted():
 @pytest.mark.parametrize("impl", IMPLS)
 def test_opcheck(impl):
     h, ids = _inputs(length=21, dim=6)
-    use_kernels = impl == "triton"
-    perm, meta, count = _ngram_plan_op(ids, 2, use_kernels)
-    torch.library.opcheck(_ngram_plan_op, (ids, 2, use_kernels))
+    perm, meta, count = _ngram_plan_op(ids, 2, impl)
+    torch.library.opcheck(_ngram_plan_op, (ids, 2, impl))
     torch.library.opcheck(ngram_attention_op, (h.requires_grad_(True), perm, meta, count, impl))
     torch.library.opcheck(ngram_attention_backward_op, (torch.randn_like(h), perm, meta, count, impl))
 
@@ -448,7 +447,7 @@ def test_vmap_over_runs_equals_each_run_alone(backend, algorithm, device, dtype)
 
 def test_vmap_of_the_plan_op_folds_runs_into_the_batch():
     ids = torch.randint(0, 4, (3, 2, 10), generator=torch.Generator().manual_seed(0))
-    perm, meta, count = torch.vmap(lambda i: _ngram_plan_op(i, 2, False))(ids)
+    perm, meta, count = torch.vmap(lambda i: _ngram_plan_op(i, 2, "eager"))(ids)
     for run in range(3):
         want = build_ngram_plan(ids[run], 2)
         assert torch.equal(perm[run], want.perm) and torch.equal(meta[run], want.meta)

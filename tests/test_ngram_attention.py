@@ -371,7 +371,7 @@ def test_detector_catches_host_reads(monkeypatch):
     original = ngram_function.build_ngram_plan
     monkeypatch.setattr(ngram_function, "build_ngram_plan", lambda ids, n: original(ids + 0 * int(ids.max()), n))
     with pytest.raises(AssertionError, match="host read"), no_host_reads():
-        ngram_function._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, False)  # the PyTorch builder
+        ngram_function._ngram_plan_op(torch.zeros(1, 4, dtype=torch.long), 2, "eager")  # the PyTorch builder
 
 
 @pytest.mark.parametrize("backend", ["eager"] + (["triton"] if TRITON_DEVICES else []))

@@ -361,7 +361,7 @@ claims(
 
 # --- Headless-AD: ablations, contextual bandits, Darkroom-125 ---------------------------------------------------
 
-ABLATIONS = "headless-ablations-reward-use.json"
+ABLATIONS = "archive/headless-ablations-reward-use.json"
 for _name in ("preset", "separate action/reward/state tokens (paper)", "separate tokens with 3 layers", "4000 steps"):
     for _fraction in ("1.0", "0.35"):
         claims(
@@ -418,18 +418,18 @@ claims(
                 at("models", m, "scores", "4-20 arms", "normalized_score")(d) for m in ("headless_ad", "ad")
             ],
         )
-        for index, name in enumerate(("headless-contextual.json", "headless-contextual-6000-steps.json"))
+        for index, name in enumerate(("headless-contextual.json", "archive/headless-contextual-6000-steps.json"))
     ),
     Claim(
         "results",
         "| 25 / 30 / 40 / 50 arms | {} / {} / {} / {} | n/a |",
-        "headless-contextual-6000-steps.json",
+        "archive/headless-contextual-6000-steps.json",
         lambda d: [at("models", "headless_ad", "scores", f"{n} arms", "normalized_score")(d) for n in (25, 30, 40, 50)],
     ),
     Claim(
         "results",
         "| reward use (shuffled - true loss, nats) | {} ({} - {}) | {} ({} - {}) |",
-        "headless-contextual-6000-steps.json",
+        "archive/headless-contextual-6000-steps.json",
         lambda d: [
             at("models", m, "reward_use", k)(d) for m in ("headless_ad", "ad") for k in ("gap", "shuffled_loss", "loss")
         ],
@@ -534,7 +534,9 @@ claims(
 # --- every results file a README names exists, and parses ---------------------------------------------------
 
 #: The families of files in benchmarks/results (a name in a README that starts with one of these is a results file).
-PREFIXES = ("cpu-", "gpu-", "headless-", "key-to-door", "markov-memory", "ngram-ad-goals", "main-job", "archive/")
+PREFIXES = (
+    "cpu-", "gpu-", "gym-", "headless-", "key-to-door", "markov-memory", "ngram-ad-goals", "main-job", "archive/",
+)  # fmt: skip
 #: Named as where a future run will write (the GPU runner's paper-goals stage), not yet made.
 NOT_YET = {"ngram-ad-goals-paper.json", "ngram-ad-goals-paper.*"}
 _NAME = re.compile(r"[\w./*-]+?\.(?:json|md|png|\*|\{[a-z,]+\})(?:/\.(?:json|md|png))*")
@@ -723,75 +725,7 @@ claims(
 claims(
     Claim(
         "README",
-        "Expected Max Performance after 4 draws {} / {} / {} (N-Gram AD) against {} / {} / {} (AD) with 10 / 20 / "
-        "30 goals",
-        GOALS,
-        lambda d: [
-            setting(d, num_train_tasks=g)["expected_max_performance"][m]["mean"][3]
-            for m in ("ngram_ad", "ad")
-            for g in (10, 20, 30)
-        ],
-    ),
-    Claim(
-        "README",
-        "N-Gram AD on 500 histories {} ± {}; AD on 27x the histories {} ± {} (100 goals), {} ± {} (2048 goals)",
-        K2D_27X_10K,
-        lambda d: [
-            *scores("ngram_ad")(load(K2D_10K)),
-            *scores("ad", num_train_tasks=100)(d),
-            *scores("ad", num_train_tasks=2048)(d),
-        ],
-    ),
-    Claim("README", "AD on the same 500 histories: {} ± {}", K2D_10K, scores("ad")),
-    Claim(
-        "README",
-        "5 report seeds: {}-{} on the seen 4-20-arm sets; {} / {} / {} / {} on 20 / 30 / 40 / 50 arms; AD {}-{} "
-        "where it can act",
-        BERNOULLI,
-        lambda d: [
-            *ranged(lambda d: [v["mean"] for k, v in d["models"]["headless_ad"]["scores"].items() if "4-20" in k])(d),
-            *(d["models"]["headless_ad"]["scores"][f"uniform, {n} arms"]["mean"] for n in (20, 30, 40, 50)),
-            *ranged(lambda d: [v["mean"] for v in d["models"]["ad"]["scores"].values() if v])(d),
-        ],
-    ),
-    Claim(
-        "README",
-        "random level (one seed): contextual bandits {} to {};",
-        "headless-contextual.json",
-        ranged(lambda d: [v["normalized_score"] for m in d["models"].values() for v in m["scores"].values() if v]),
-    ),
-    Claim(
-        "README",
-        "Darkroom-125 success {}-{} (Headless-AD), {}-{} (AD), random {}-{}",
-        "headless-darkroom.json",
-        lambda d: [
-            *ranged(lambda d: [v["final_return"] for v in d["models"]["headless_ad"]["scores"].values()])(d),
-            *ranged(lambda d: [v["final_return"] for v in d["models"]["ad"]["scores"].values() if v])(d),
-            *ranged(lambda d: [v["random_final_return"] for v in d["models"]["headless_ad"]["scores"].values()])(d),
-        ],
-    ),
-    Claim(
-        "README",
-        "falls at C = 4 (5 seeds: {} -> {} -> {} at k = 3 / 5 / 10;",
-        MEMORY,
-        lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (3, 5, 10)],
-    ),
-    Claim(
-        "README",
-        "seeds 0-2: two layers reach an induction score of {} ± {}, forming at step {} / {} / {} after a plateau; "
-        "one layer {} ± {}, never; one layer with smeared keys {} ± {} from step {}",
-        INDUCTION,
-        lambda d: [
-            *stats("summary", "2L", "final_best_induction")(d),
-            *at("summary", "2L", "induction_step")(d),
-            *stats("summary", "1L", "final_best_induction")(d),
-            *stats("summary", "1L-smear", "final_best_induction")(d),
-            max(at("summary", "1L-smear", "induction_step")(d)),
-        ],
-    ),
-    Claim(
-        "README",
-        "with `icrl-train`'s defaults N-Gram AD reaches {} and AD {} of Q-learning's return with 10 goals (random {};",
+        "is above the random policy there and AD barely: {} and {} of Q-learning's return (random {};",
         DEFAULTS,
         lambda d: [
             scores("ngram_ad", num_train_tasks=10)(d)[0],
@@ -799,7 +733,12 @@ claims(
             setting(d, num_train_tasks=10)["source"]["random_score"]["mean"],
         ],
     ),
-    Claim("README", "Key-to-Door's AD does not fail on small data ({} ± {} on 500 histories", K2D_10K, scores("ad")),
+    Claim(
+        "README",
+        "Key-to-Door's AD does not fail on small data at the paper's 10k steps ({} ± {} on 500 histories",
+        K2D_10K,
+        scores("ad"),
+    ),
     Claim(
         "README",
         "at 2500 steps N-Gram AD leads ({} against {},",
@@ -828,6 +767,50 @@ claims(
 )
 
 
+# --- a gymnasium environment: FrozenLake-v1, and Taxi-v4 (gym-frozen-lake) ---------------------------------
+
+GYM = "gym-frozen-lake.json"
+
+
+def block_mean(run: str, first: int, last: int) -> Callable:
+    """The model's mean return over in-context episodes ``first``-``last`` (1-based) of a run of the gym file."""
+    return lambda data: float(np.mean(data[run]["evaluation"]["model_returns"][first - 1 : last]))
+
+
+claims(
+    Claim(
+        "results",
+        "rises from {} in its first 5 in-context episodes to {} in its last 5, {} of Q-learning's final return",
+        GYM,
+        lambda d: [
+            block_mean("frozen_lake", 1, 5)(d),
+            block_mean("frozen_lake", 36, 40)(d),
+            d["frozen_lake"]["summary"]["fraction_of_source"],
+        ],
+    ),
+    Claim(
+        "results",
+        "(random {}, optimum {}); {} s of CPU in all",
+        GYM,
+        lambda d: [
+            d["frozen_lake"]["summary"]["random_final_return"],
+            d["frozen_lake"]["evaluation"]["optimal_return"],
+            d["frozen_lake"]["cpu_seconds"]["total"],
+        ],
+    ),
+    Claim(
+        "results",
+        "normalised score {} on the {} held-out rain probabilities (0 random, 1 the source); {} s of CPU",
+        GYM,
+        lambda d: [
+            d["taxi"]["summary"]["normalized_score"],
+            d["taxi"]["summary"]["num_tasks"],
+            d["taxi"]["cpu_seconds"]["total"],
+        ],
+    ),
+)
+
+
 # --- the looped transformer over seeds 0-2 (cpu-looped-20k) -------------------------------------------------
 
 LOOPED_20K = "cpu-looped-20k.json"
@@ -839,18 +822,6 @@ def seed_row(*path) -> Callable:
 
 
 claims(
-    Claim(
-        "README",
-        "error at k = 10 of {} ± {} for one looped block (52k parameters) against {} ± {} for 4 unlooped layers "
-        "(202k; a quarter, not a twelfth); paired difference {} ± {} (ahead on 2 of 3 seeds); {} ± {} at 75 loops",
-        LOOPED_20K,
-        lambda d: [
-            *stats("summary", "error_at_k", "looped")(d),
-            *stats("summary", "error_at_k", "unlooped")(d),
-            *stats("summary", "looped_minus_unlooped")(d),
-            *stats("summary", "error_at_max_loops")(d),
-        ],
-    ),
     Claim(
         "results",
         "| looped (b = 15), 52k parameters | {} ± {} | {} | {} | {} |",
@@ -901,13 +872,7 @@ def pair_row(corridor: int, k: int) -> Callable:
 claims(
     Claim(
         "README",
-        "10 seeds: {} ± {} at C = 8 (the paper's sign on {} of 10 seeds), {} ± {} at C = 16 with k = 20 ({} of 10)",
-        MEMORY_10,
-        lambda d: [*memory_pair(8, 10)(d), *memory_pair(16, 20)(d)],
-    ),
-    Claim(
-        "README",
-        "rises at C = 16 (10 seeds: {} -> {} from k = 10 to 20,",
+        "G_Markov rises with k at C = 16 ({} -> {} from k = 10 to 20, 10 seeds,",
         MEMORY_10,
         hidden_g_markov(16, 10, 20),
     ),
@@ -924,5 +889,46 @@ claims(
         "all tokens): {} -> {} on the hidden task and {} -> {} on the visible control",
         MEMORY_10,
         lambda d: [*hidden_g_markov(16, 10, 20)(d), *hidden_g_markov(16, 10, 20, task="cue_visible")(d)],
+    ),
+)
+
+
+# --- G_Markov against k at C = 4 over seeds 0-9 (markov-k-sweep-c4) ------------------------------------------
+
+K_SWEEP_C4 = "markov-k-sweep-c4.json"
+
+
+def fall_with_k(data) -> list[float]:
+    """G_Markov (all tokens) at k = 5 minus at k = 10 per seed: mean, sd, and on how many seeds it falls."""
+    at_5, at_10 = (at("summary", "cue_hidden_C4", str(k), "g_markov", "values")(data) for k in (5, 10))
+    falls = [a - b for a, b in zip(at_5, at_10, strict=True)]
+    return [np.mean(falls), np.std(falls, ddof=1), sum(f > 0 for f in falls)]
+
+
+def k_row(k: int) -> Callable:
+    def read(data):
+        entry = at("summary", "cue_hidden_C4", str(k))(data)
+        return [entry[name][stat] for name in ("success_rate", "g_markov", "g_markov_state_tokens")
+                for stat in ("mean", "std")]  # fmt: skip
+
+    return read
+
+
+claims(
+    Claim("results", "| 5 | {} ± {} | {} ± {} | {} ± {} |", K_SWEEP_C4, k_row(5)),
+    Claim("results", "| 10 | {} ± {} | {} ± {} | {} ± {} |", K_SWEEP_C4, k_row(10)),
+    Claim(
+        "results",
+        "the fall k = 5 minus k = 10 is {} ± {} over 10 seeds, 95% CI [-0.128, +0.013], falling on {} of 10 seeds",
+        K_SWEEP_C4,
+        fall_with_k,
+    ),
+)
+claims(
+    Claim(
+        "README",
+        "at C = 4 either ({} -> {} from k = 5 to 10;",
+        K_SWEEP_C4,
+        lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (5, 10)],
     ),
 )

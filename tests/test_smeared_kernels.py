@@ -270,14 +270,18 @@ for dtype, H, Dh, transposed in [("bf16", 12, 64, True), ("fp32", 12, 64, False)
     k_strides = (L * H * Dh, Dh, H * Dh, 1) if transposed else (H * L * Dh, L * Dh, Dh, 1)
     block_l, block_d = kernels.block_sizes(Dh)
     blocks = {"BLOCK_L": block_l, "BLOCK_D": block_d}
-    sizes = {"H": H, "L": L, "Dh": Dh, "alpha_ptr": "*" + dtype}
+    sizes = {"H": H, "L": L, "Dh": Dh, "alpha_ptr": "*" + dtype, "stride_a": 1}
     forward = {"k_ptr": "*" + dtype, "out_ptr": "*" + dtype, **sizes,
                **dict(zip(("stride_kb", "stride_kh", "stride_kl", "stride_kd"), k_strides))}
     backward = {**forward, "grad_out_ptr": "*" + dtype, "grad_k_ptr": "*" + dtype, "partial_ptr": "*fp32",
                 **dict(zip(("stride_gb", "stride_gh", "stride_gl", "stride_gd"), (H * L * Dh, L * Dh, Dh, 1)))}
     info = {"dtype": dtype, "H": H, "Dh": Dh, "transposed": transposed, **blocks}
+    _, _, partials, block_p = kernels._launch_config((B, H, L, Dh))
+    alpha_grad = {"partial_ptr": "*fp32", "alpha_ptr": "*" + dtype, "grad_alpha_ptr": "*" + dtype, "B": B, "H": H,
+                  "P": partials, "stride_a": 1}
     jobs += [CompileJob(kernels._smeared_keys_forward_kernel, forward, blocks, info=info),
-             CompileJob(kernels._smeared_keys_backward_kernel, backward, blocks, info=info)]
+             CompileJob(kernels._smeared_keys_backward_kernel, backward, blocks, info=info),
+             CompileJob(kernels._smeared_keys_alpha_grad_kernel, alpha_grad, {"BLOCK_P": block_p}, info=info)]
 compile_offline(jobs)
 """
 
@@ -285,8 +289,11 @@ compile_offline(jobs)
 @pytest.mark.slow  # the exhaustive tier: every config compiled for sm_90 (docs/testing.md#test-tiers)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests run the compiled kernels for real")
 def test_kernels_compile_for_sm90_offline():
-    """The interpreter accepts code the compiler rejects: compile both kernels to sm_90 cubins with the
-    wrapper's block sizes at the benchmark shapes (bf16 and fp32) and check that neither spills more than
+    """The interpreter accepts code the compiler rejects: compile the three kernels to sm_90 cubins with the
+    wrapper's block sizes at the benchmark shapes (bf16 and fp32) and check that none spills more than
     ``MAX_SPILL_BYTES`` per thread."""
     reports = run_offline_compile(_OFFLINE_COMPILE)
-    check_offline_reports(reports, {"_smeared_keys_forward_kernel", "_smeared_keys_backward_kernel"})
+    check_offline_reports(
+        reports,
+        {"_smeared_keys_forward_kernel", "_smeared_keys_backward_kernel", "_smeared_keys_alpha_grad_kernel"},
+    )

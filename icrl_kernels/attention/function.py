@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Optional
 
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op, unfold_first, vmapped_first
+from .._library import checked_per_signature, differentiable_op, unfold_first, vmapped_first
 from . import reference
 from .checks import check_gated_attention_args
 from .eager import gated_attention_eager
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
 
 
 def _forward(
@@ -22,9 +32,7 @@ def _forward(
     gate: str,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels import gated_attention_forward_triton
-
-    return gated_attention_forward_triton(q, k, v, gate_logits, smear_alpha, gate)
+    return _kernels().gated_attention_forward_triton(q, k, v, gate_logits, smear_alpha, gate)
 
 
 def _forward_fake(q, k, v, gate_logits, smear_alpha, gate, impl):
@@ -45,23 +53,15 @@ def _backward(
     gate: str,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .kernels import gated_attention_backward_triton
-
-    grad_q, grad_k, grad_v, grad_gate, grad_alpha = gated_attention_backward_triton(
-        grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate
-    )
-    # The op's schema returns tensors: an empty one stands for an absent input's gradient (autograd gets None).
-    return grad_q, grad_k, grad_v, _or_empty(grad_gate, q), _or_empty(grad_alpha, q)
-
-
-def _or_empty(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return grad if grad is not None else like.new_empty(0)
+    # None for an absent input's gradient (the registered op returns an empty tensor there).
+    return _kernels().gated_attention_backward_triton(grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate)
 
 
 def _backward_fake(grad_out, q, k, v, gate_logits, smear_alpha, out, lse, gate, impl):
     grads = [q.new_empty(q.shape) for _ in range(3)]
-    grad_gate = gate_logits.new_empty(gate_logits.shape) if gate_logits is not None else q.new_empty(0)
-    grad_alpha = smear_alpha.new_empty(smear_alpha.shape) if smear_alpha is not None else q.new_empty(0)
+    # The registered backward's placeholders for absent inputs: empty, like its first tensor argument.
+    grad_gate = gate_logits.new_empty(gate_logits.shape) if gate_logits is not None else grad_out.new_empty(0)
+    grad_alpha = smear_alpha.new_empty(smear_alpha.shape) if smear_alpha is not None else grad_out.new_empty(0)
     return (*grads, grad_gate, grad_alpha)
 
 
@@ -73,9 +73,11 @@ gated_attention_op, gated_attention_backward_op = differentiable_op(
     backward_fake=_backward_fake,
     # (q, k, v, gate_logits, smear_alpha, out, lse, gate, impl)
     save=lambda inputs, output: (*inputs[:5], output[0], output[1], *inputs[5:]),
+    saved_tensors=7,
     grad_inputs=(0, 1, 2, 3, 4),
     differentiable_outputs=1,
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
+    materialize_grads=False,  # no zero gradient for lse, saved for the backward only
 )
 
 
@@ -104,6 +106,22 @@ def _gated_attention_vmap(info, in_dims: tuple, q, k, v, gate_logits, smear_alph
 
 
 gated_attention_op.register_vmap(_gated_attention_vmap)
+
+
+@checked_per_signature
+def _checked_impl(
+    q: object, k: object, v: object, gate_logits: object, gate: object, smear_alpha: object, backend: object
+) -> str:
+    """The argument checks and the backend of a call: ``"triton"``, ``"eager"`` or ``"reference"`` (an empty
+    batch, head or sequence too: nothing to launch)."""
+    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
+    named = {"q": q, "k": k, "v": v, "gate_logits": gate_logits, "smear_alpha": smear_alpha}
+    impl = resolve_backend(backend, q.device, kernel_inputs=named)
+    if impl == "reference" or q.numel() == 0:
+        return "reference"
+    if impl == "triton" and q.shape[-1] > 128:  # one head row is one register tile; wider would need a loop
+        raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
+    return impl
 
 
 def gated_attention(
@@ -151,15 +169,11 @@ def gated_attention(
         ``q``/``k``/``v`` dtypes that differ, mixed devices, an unknown ``gate`` or ``backend``, and with
         ``backend="triton"`` fp64 inputs or a head dim above 128.
     """
-    check_gated_attention_args(q, k, v, gate_logits, gate, smear_alpha)
-    named = {"q": q, "k": k, "v": v, "gate_logits": gate_logits, "smear_alpha": smear_alpha}
-    impl = resolve_backend(backend, q.device, kernel_inputs=named)
-    if impl == "reference" or q.numel() == 0:  # nothing to launch for an empty batch, head or sequence
+    impl = _checked_impl(q, k, v, gate_logits, gate, smear_alpha, backend)
+    if impl == "reference":
         return reference.gated_attention_reference(q, k, v, gate_logits, gate=gate, smear_alpha=smear_alpha)
     if impl == "eager":
         return gated_attention_eager(q, k, v, gate_logits, gate, smear_alpha, backend="eager")
-    if q.shape[-1] > 128:  # one head row is one register tile; wider heads would need a loop over Dh
-        raise ValueError(f"q must have a head dim (q.shape[-1]) <= 128 for backend='triton', got {q.shape[-1]}")
     out, _ = gated_attention_op(q, k, v, gate_logits, smear_alpha, gate, impl)
     return out
 

@@ -35,15 +35,18 @@ with masks; ``L`` need not be a multiple of any block.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from .._triton import autotune, cdiv, launch, next_power_of_2, per_signature, size_bucket
 from ..moa.checks import GATES
 from ..moa.kernels import _gate_weights
+from ..smeared.kernels import smeared_keys_backward_triton
 
 #: softmax 0, sigmoid 1, linear 2 (as ``mixture_of_heads``' kernels), no gate 3.
 GATE_CODES = {**{name: code for code, name in enumerate(GATES)}, None: len(GATES)}
@@ -372,13 +375,12 @@ def _gated_attention_backward_dq_kernel(
                  mask=row_ok)  # fmt: skip
 
 
-def _launch_attention(kernel, tiles: str, dtype: torch.dtype, grid):
-    """``launch`` of an autotuned attention kernel, or of the kernel under the autotuner with
-    ``FP32_TILES[tiles]`` for fp32 inputs."""
+def _tiled_kernel(kernel, tiles: str, dtype: torch.dtype) -> tuple[object, dict]:
+    """``(what to launch, its extra launch arguments)``: an autotuned attention kernel as it is, or for fp32
+    inputs the kernel under the autotuner with ``FP32_TILES[tiles]``."""
     if dtype == torch.float32:
-        fixed = FP32_TILES[tiles]
-        return lambda *args, **kwargs: launch(kernel.fn, grid)(*args, **kwargs, **fixed)
-    return launch(kernel, grid)
+        return kernel.fn, dict(FP32_TILES[tiles])
+    return kernel, {}
 
 
 def _preprocess_blocks(heads: int, head_dim: int) -> dict:
@@ -388,19 +390,63 @@ def _preprocess_blocks(heads: int, head_dim: int) -> dict:
     return {"BLOCK_R": block_r, "BLOCK_H": block_h, "BLOCK_D": block_d}
 
 
-def _flags(q: torch.Tensor, gate_logits, smear_alpha, gate: str) -> dict:
-    return {
-        "GATE": GATE_CODES[gate if gate_logits is not None else None],
-        "SMEAR": smear_alpha is not None,
-        "HALF_DOT": half_dot(q.dtype),
-    }
-
-
 def half_dot(dtype: torch.dtype) -> int:
     """``HALF_DOT`` of the kernels for inputs of ``dtype`` (see ``_dot``)."""
     if dtype == torch.float32:
         return 0
     return 2 if dtype == torch.bfloat16 and triton_interpreter_enabled() else 1
+
+
+def _row_grid(length: int, batch_heads: int, block: str):
+    """The grid of a kernel with one program per ``meta[block]`` rows of each ``(b, h)``."""
+
+    def grid(meta):
+        return cdiv(length, meta[block]), batch_heads
+
+    return grid
+
+
+class _Config(NamedTuple):
+    """A launch's kernel (or the kernel under its autotuner), grid and constexprs, computed per signature."""
+
+    kernel: object
+    grid: object
+    constexprs: dict
+
+
+@per_signature
+def _forward_config(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, gate: str | None, smear: bool
+) -> tuple[_Config, tuple[int, int, int], float, int]:
+    """The forward's launch, output shape ``[B, L, H * Dh]``, scaled ``qk_scale`` and size bucket."""
+    batch, heads, length, head_dim = shape
+    kernel, fixed = _tiled_kernel(_gated_attention_forward_kernel, "forward", dtype)
+    constexprs = {"BLOCK_H": next_power_of_2(heads), "BLOCK_D": head_block(head_dim), "GATE": GATE_CODES[gate],
+                  "SMEAR": smear, "HALF_DOT": half_dot(dtype), **fixed}  # fmt: skip
+    launch_config = _Config(kernel, _row_grid(length, batch * heads, "BLOCK_M"), constexprs)
+    return launch_config, (batch, length, heads * head_dim), head_dim**-0.5 * _LOG2E, size_bucket(length)
+
+
+@per_signature
+def _backward_config(
+    shape: tuple[int, int, int, int], dtype: torch.dtype, gate: str | None, smear: bool
+) -> tuple[_Config, _Config, _Config, float, int]:
+    """The backward's three launches (preprocess, dk/dv, dq), ``sm_scale`` and size bucket."""
+    batch, heads, length, head_dim = shape
+    flags = {"GATE": GATE_CODES[gate], "SMEAR": smear, "HALF_DOT": half_dot(dtype)}
+    blocks = _preprocess_blocks(heads, head_dim)
+    preprocess = _Config(
+        _gated_attention_backward_preprocess_kernel,
+        (cdiv(batch * length, blocks["BLOCK_R"]),),
+        {"GATE": flags["GATE"], **blocks},
+    )
+    launches = []
+    for kernel, tiles, block in ((_gated_attention_backward_dkdv_kernel, "dkdv", "BLOCK_N"),
+                                 (_gated_attention_backward_dq_kernel, "dq", "BLOCK_M")):  # fmt: skip
+        kernel, fixed = _tiled_kernel(kernel, tiles, dtype)
+        constexprs = {**flags, "BLOCK_D": head_block(head_dim), **fixed}
+        launches.append(_Config(kernel, _row_grid(length, batch * heads, block), constexprs))
+    return preprocess, *launches, head_dim**-0.5, size_bucket(length)
 
 
 def gated_attention_forward_triton(
@@ -413,24 +459,19 @@ def gated_attention_forward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward: ``(out [B, L, H * Dh] contiguous in q.dtype, lse [B, H, L] fp32)``; ``lse`` is the
     base-2 log-sum-exp of each row's scaled scores (``log2 sum_j 2^(s_j Dh**-0.5 log2 e)``)."""
-    batch, heads, length, head_dim = q.shape
-    out = empty_output((batch, length, heads * head_dim), dtype=q.dtype, device=q.device)
+    batch, heads, length, head_dim = shape = q.shape
+    gated = gate_logits is not None
+    config, out_shape, qk_scale, bucket = _forward_config(
+        shape, q.dtype, gate if gated else None, smear_alpha is not None
+    )
+    out = empty_output(out_shape, dtype=q.dtype, device=q.device)
     lse = empty_output((batch, heads, length), dtype=torch.float32, device=q.device)
-    gate_arg = gate_logits if gate_logits is not None else q  # never read without a gate
-    alpha_arg = smear_alpha.contiguous() if smear_alpha is not None else q
-    gate_strides = gate_logits.stride() if gate_logits is not None else (0, 0, 0)
-    sm_scale = head_dim**-0.5
-
-    def grid(meta):
-        return cdiv(length, meta["BLOCK_M"]), batch * heads
-
-    _launch_attention(_gated_attention_forward_kernel, "forward", q.dtype, grid)(
-        q, k, v, gate_arg, alpha_arg, out, lse,
-        heads, length, head_dim, sm_scale * _LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *gate_strides,
-        size_bucket(length),
-        BLOCK_H=next_power_of_2(heads), BLOCK_D=head_block(head_dim),
-        **_flags(q, gate_logits, smear_alpha, gate),
+    launch(config.kernel, config.grid)(
+        q, k, v, gate_logits if gated else q, smear_alpha.contiguous() if smear_alpha is not None else q, out, lse,
+        heads, length, head_dim, qk_scale,
+        *q.stride(), *k.stride(), *v.stride(), *(gate_logits.stride() if gated else (0, 0, 0)),
+        bucket,
+        **config.constexprs,
     )  # fmt: skip
     return out, lse
 
@@ -448,52 +489,40 @@ def gated_attention_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Triton backward: ``(dq, dk, dv)`` contiguous ``[B, H, L, Dh]`` in ``q.dtype``, ``d gate_logits``
     (contiguous, ``gate_logits.dtype``) and ``d smear_alpha`` (``smear_alpha.dtype``), None where absent."""
-    batch, heads, length, head_dim = q.shape
-    flags = _flags(q, gate_logits, smear_alpha, gate)
-    gated = gate_logits is not None
+    batch, heads, length, head_dim = shape = q.shape
+    gated, smeared = gate_logits is not None, smear_alpha is not None
+    preprocess, dkdv, dq, sm_scale, bucket = _backward_config(shape, q.dtype, gate if gated else None, smeared)
     device = q.device
     delta = empty_output((batch, heads, length), dtype=torch.float32, device=device)
     weights = empty_output((batch, heads, length), dtype=torch.float32, device=device) if gated else delta
     grad_gate = empty_output(gate_logits.shape, dtype=gate_logits.dtype, device=device) if gated else None
     gate_arg = gate_logits if gated else q
     gate_strides = gate_logits.stride() if gated else (0, 0, 0)
-    blocks = _preprocess_blocks(heads, head_dim)
-    launch(_gated_attention_backward_preprocess_kernel, (cdiv(batch * length, blocks["BLOCK_R"]),))(
+    launch(preprocess.kernel, preprocess.grid)(
         grad_out, out, gate_arg, delta, weights, grad_gate if gated else delta,
         batch * length, length, heads, head_dim,
         *grad_out.stride(), *gate_strides,
-        GATE=flags["GATE"], **blocks,
+        **preprocess.constexprs,
     )  # fmt: skip
 
-    grad_q = empty_output(q.shape, dtype=q.dtype, device=device)
+    grad_q = empty_output(shape, dtype=q.dtype, device=device)
     # d k' when smeared, kept in fp32 for the alpha gradient's long sum (a 2-byte-per-element premium on bf16).
-    grad_k = empty_output(q.shape, dtype=torch.float32 if smear_alpha is not None else q.dtype, device=device)
-    grad_v = empty_output(q.shape, dtype=q.dtype, device=device)
-    alpha_arg = smear_alpha.contiguous() if smear_alpha is not None else q
-    sm_scale = head_dim**-0.5
+    grad_k = empty_output(shape, dtype=torch.float32 if smeared else q.dtype, device=device)
+    grad_v = empty_output(shape, dtype=q.dtype, device=device)
+    alpha_arg = smear_alpha.contiguous() if smeared else q
     common = (
         heads, length, head_dim, sm_scale * _LOG2E, sm_scale,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(),
-        size_bucket(length),
+        bucket,
     )  # fmt: skip
-    constexprs = {**flags, "BLOCK_D": head_block(head_dim)}
-
-    def grid_keys(meta):
-        return cdiv(length, meta["BLOCK_N"]), batch * heads
-
-    def grid_queries(meta):
-        return cdiv(length, meta["BLOCK_M"]), batch * heads
-
-    _launch_attention(_gated_attention_backward_dkdv_kernel, "dkdv", q.dtype, grid_keys)(
-        q, k, v, alpha_arg, grad_out, weights, lse, delta, grad_k, grad_v, *common, **constexprs
+    launch(dkdv.kernel, dkdv.grid)(
+        q, k, v, alpha_arg, grad_out, weights, lse, delta, grad_k, grad_v, *common, **dkdv.constexprs
     )
-    _launch_attention(_gated_attention_backward_dq_kernel, "dq", q.dtype, grid_queries)(
+    launch(dq.kernel, dq.grid)(
         q, k, v, alpha_arg, grad_out, weights, lse, delta, grad_q, grad_gate if gated else delta,
-        *common, **constexprs,
+        *common, **dq.constexprs,
     )  # fmt: skip
     grad_alpha = None
-    if smear_alpha is not None:
-        from ..smeared.kernels import smeared_keys_backward_triton
-
+    if smeared:
         grad_k, grad_alpha = smeared_keys_backward_triton(grad_k, k, smear_alpha)
     return grad_q, grad_k, grad_v, grad_gate, grad_alpha

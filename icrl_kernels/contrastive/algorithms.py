@@ -93,12 +93,14 @@ class Algorithm(NamedTuple):
     contiguous ``targets`` of ``pred.shape[:-1]``; the canonical uint8 mask ``[1 or B, 1 or T, A_pad]`` (16-column
     aligned for the Triton algorithms) or None; see :mod:`.function`):
 
-    * ``infonce_forward(pred, embeds, targets, mask, tau, ignore_index, count, want_pred, want_embeds)`` ->
-      ``(losses, lse, status, grad_pred, grad_embeds)``: float32 per-row losses and log-sum-exps and the int8
+    * ``infonce_forward(pred, embeds, targets, mask, tau, ignore_index, reduction, runs, want_pred, want_embeds)``
+      -> ``(loss, lse, status, grad_pred, grad_embeds)``: the float32 loss, reduced over each of ``runs`` equal
+      slices of the flat rows (``[]`` for one run, ``[runs]``; per row for ``"none"``: :func:`reduce_losses`),
+      the float32 per-row log-sum-exps the algorithm's backward needs (None where it needs none), the int8
       per-row status of the value checks (``checks.ROW_*``; None where the algorithm checks the values itself),
-      and, with ``want_pred`` / ``want_embeds``, the gradients of the reduced loss for an upstream gradient of 1
-      (row weight ``1 / count[run]`` for ``"mean"``, ``count`` an int64 ``[runs]`` tensor of each run's
-      non-ignored rows over equal slices of the rows; 1 for ``"sum"``, ``count`` None); None where not asked.
+      and, where the algorithm computes them in the forward (``gradients_in_forward``, ``"mean"`` or ``"sum"``)
+      and ``want_pred`` / ``want_embeds`` ask, the gradients of that loss for an upstream gradient of 1 per run
+      (row weights :func:`row_weights`); None otherwise.
     * ``infonce_backward(weights, pred, embeds, targets, mask, lse, tau, ignore_index, want_pred, want_embeds)`` ->
       ``(grad_pred, grad_embeds)`` (None where not asked) for float32 per-row loss gradients ``weights`` (0 on
       ignored rows); ``lse`` is the forward's (None where the algorithm recomputes it).
@@ -153,6 +155,21 @@ def canonical_views(pred: torch.Tensor, embeds: torch.Tensor, *row_tensors: torc
     pred3 = pred if pred.dim() == 3 else (pred[:, None] if per_sequence else pred[None])
     embeds3 = embeds if per_sequence else embeds[None]
     return (pred3, embeds3, *(t.view(pred3.shape[:2]) for t in row_tensors))
+
+
+def count_rows(targets: torch.Tensor, ignore_index: int, runs: int) -> torch.Tensor:
+    """The non-ignored rows of each run (int64 ``[runs]``, 0-dim for one run): the mean's divisor."""
+    used = targets != ignore_index
+    return used.sum() if runs == 1 else used.view(runs, -1).sum(1)
+
+
+def reduce_losses(losses: torch.Tensor, reduction: str, runs: int, count: torch.Tensor | None) -> torch.Tensor:
+    """Per-row ``losses`` (0 on ignored rows) reduced over each run: ``"none"`` as they are, ``"sum"``, or
+    ``"mean"`` (``count``: :func:`count_rows`; a run whose rows are all ignored has mean 0 / 0 = NaN)."""
+    if reduction == "none":
+        return losses
+    loss = losses.sum() if runs == 1 else losses.view(runs, -1).sum(1)
+    return loss if count is None else loss / count
 
 
 def row_weights(targets: torch.Tensor, ignore_index: int, count: torch.Tensor | None) -> torch.Tensor:

@@ -7,6 +7,7 @@ available action) go through ``check_values`` or, from the per-row status a kern
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ from .._validation import (
     check_status_codes,
     check_tensor,
     check_values,
+    device_side_value_checks,
     value_checks,
 )
 from .algorithms import (
@@ -84,20 +86,15 @@ def _remember(key: tuple | None, plan: Plan) -> Plan:
     return plan
 
 
-def _signature(op: str, pred, action_embeds, mask, tau, algorithm, backend, *extra) -> tuple | None:
-    """The key of a call's arguments: every property the argument checks read (each tensor's class, shape,
-    dtype and device; each option's class and value), or None where one is not hashable (no cache then)."""
-    try:
-        key = (
-            op, pred.__class__, pred.shape, pred.dtype, pred.device,
-            action_embeds.__class__, action_embeds.shape, action_embeds.dtype, action_embeds.device,
-            None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device),
-            tau.__class__, tau, algorithm, backend, *extra,
-        )  # fmt: skip
-        hash(key)
-    except (AttributeError, TypeError):
-        return None
-    return key
+def _map_key(pred, action_embeds, mask, tau, algorithm, backend) -> tuple:
+    """The part of a call's signature both ops share: every property their argument checks read (each tensor's
+    class, shape, dtype and device; each option's class and value). AttributeError for a non-tensor."""
+    return (
+        pred.__class__, pred.shape, pred.dtype, pred.device,
+        action_embeds.__class__, action_embeds.shape, action_embeds.dtype, action_embeds.device,
+        None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device),
+        tau.__class__, tau, algorithm, backend,
+    )  # fmt: skip
 
 
 def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_index, algorithm, backend) -> Plan:
@@ -115,16 +112,16 @@ def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_i
     key = None
     if not torch.compiler.is_compiling():  # Dynamo traces the checks (constant-folded), without the cache
         try:
-            extra = (targets.__class__, targets.shape, targets.dtype, targets.device, reduction,
-                     ignore_index.__class__, ignore_index)  # fmt: skip
-        except AttributeError:
-            extra = None
-        key = (
-            None if extra is None else _signature("infonce", pred, action_embeds, mask, tau, algorithm, backend, *extra)
-        )
-        plan = _PLANS.get(key) if key is not None else None
-        if plan is not None:
-            return plan
+            key = (
+                "infonce", *_map_key(pred, action_embeds, mask, tau, algorithm, backend),
+                targets.__class__, targets.shape, targets.dtype, targets.device,
+                reduction, ignore_index.__class__, ignore_index,
+            )  # fmt: skip
+            return _PLANS[key]
+        except KeyError:  # a new signature: checked below, then kept
+            pass
+        except (AttributeError, TypeError):  # a non-tensor, an unhashable option: checked below (and raises)
+            key = None
     mask_shape = check_pred_and_map(pred, action_embeds, mask)
     check_tensor(targets, "targets", dtypes=INT_DTYPES)
     if tuple(targets.shape) != tuple(pred.shape[:-1]):
@@ -151,10 +148,13 @@ def select_plan(pred, action_embeds, *, mode, tau, mask, generator, algorithm, b
     check_generator(generator)  # not part of the signature: any generator object
     key = None
     if not torch.compiler.is_compiling():
-        key = _signature("select", pred, action_embeds, mask, tau, algorithm, backend, mode)
-        plan = _PLANS.get(key) if key is not None else None
-        if plan is not None:
-            return plan
+        try:
+            key = ("select", *_map_key(pred, action_embeds, mask, tau, algorithm, backend), mode)
+            return _PLANS[key]
+        except KeyError:
+            pass
+        except (AttributeError, TypeError):
+            key = None
     mask_shape = check_pred_and_map(pred, action_embeds, mask)
     check_choice(mode, "mode", SELECTION_MODES)
     tau = check_positive_float(tau, "tau")
@@ -295,16 +295,17 @@ def check_row_status(
     if value_checks() == "off":  # before building any message
         return
     range_message = _range_message(num_actions, ignore_index)
-    check_status_codes(
-        status,
-        (
-            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
-            # The same text as check_target_values: up to five offending targets.
-            (ROW_TARGET_OUT_OF_RANGE, range_message, lambda bad: f", got {targets[bad][:5].tolist()}"),
-            (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, lambda bad: f", e.g. {targets[bad][:5].tolist()}"),
-        ),
-        range_message + (f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}" if has_mask else ""),
-    )
+    with _traced_checks():
+        check_status_codes(
+            status,
+            (
+                (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+                # The same text as check_target_values: up to five offending targets.
+                (ROW_TARGET_OUT_OF_RANGE, range_message, lambda bad: f", got {targets[bad][:5].tolist()}"),
+                (ROW_TARGET_UNAVAILABLE, UNAVAILABLE_TARGET_MESSAGE, lambda bad: f", e.g. {targets[bad][:5].tolist()}"),
+            ),
+            range_message + (f"; {UNAVAILABLE_TARGET_MESSAGE} or {NO_ACTION_MESSAGE}" if has_mask else ""),
+        )
 
 
 def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: torch.Tensor, has_mask: bool) -> None:
@@ -313,15 +314,24 @@ def check_selection_status(status: torch.Tensor, pred: torch.Tensor, embeds: tor
     assert on CUDA (three ops, where a separate mask check and NaN check took eight)."""
     if value_checks() == "off":  # before building any message
         return
-    check_status_codes(
-        status,
-        (
-            (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+    with _traced_checks():
+        check_status_codes(
+            status,
             (
-                ROW_NAN_LOGIT,
-                NAN_LOGIT_MESSAGE,
-                lambda _: f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}",
+                (ROW_NO_ACTION, NO_ACTION_MESSAGE, None),
+                (
+                    ROW_NAN_LOGIT,
+                    NAN_LOGIT_MESSAGE,
+                    lambda _: (
+                        f": NaN in pred: {bool(pred.isnan().any())}, in action_embeds: {bool(embeds.isnan().any())}"
+                    ),
+                ),
             ),
-        ),
-        NAN_LOGIT_MESSAGE + (f"; or {NO_ACTION_MESSAGE}" if has_mask else ""),
-    )
+            NAN_LOGIT_MESSAGE + (f"; or {NO_ACTION_MESSAGE}" if has_mask else ""),
+        )
+
+
+def _traced_checks() -> contextlib.AbstractContextManager:
+    """While torch traces an op's implementation into a graph (a ``triton_op``), the value checks' device
+    assert whatever the mode: the graph reads nothing on the host."""
+    return device_side_value_checks() if torch.compiler.is_compiling() else contextlib.nullcontext()

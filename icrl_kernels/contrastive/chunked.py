@@ -36,7 +36,15 @@ from typing import NamedTuple
 import torch
 
 from .._library import empty_output
-from .algorithms import ACTION_CHUNKS, ROW_CHUNKS, canonical_views, chunk_shape, row_weights
+from .algorithms import (
+    ACTION_CHUNKS,
+    ROW_CHUNKS,
+    canonical_views,
+    chunk_shape,
+    count_rows,
+    reduce_losses,
+    row_weights,
+)
 
 #: ``torch.mm`` / ``torch.bmm`` take ``out_dtype`` (torch >= 2.8): fp32 output of half-precision GEMMs on CUDA.
 _GEMM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
@@ -208,10 +216,17 @@ def select_chunked(pred, embeds, mask, tau: float, sample: bool, seed: torch.Ten
 
 # -- the algorithms' entries (algorithms.Algorithm) -----------------------------------------------------------
 def _infonce_forward(
-    algorithm: str, pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred, want_embeds
+    algorithm: str, pred, embeds, targets, mask, tau: float, ignore_index: int, reduction: str, runs: int,
+    want_pred: bool, want_embeds: bool,
 ):  # fmt: skip
+    reduced = reduction != "none"
+    want_pred, want_embeds = reduced and want_pred, reduced and want_embeds
+    count = count_rows(targets, ignore_index, runs) if reduction == "mean" else None
     weights = row_weights(targets, ignore_index, count) if want_pred or want_embeds else None
-    return _infonce(algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds)
+    losses, _, status, grad_pred, grad_embeds = _infonce(
+        algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds
+    )
+    return reduce_losses(losses, reduction, runs, count), None, status, grad_pred, grad_embeds
 
 
 def _infonce(algorithm, pred, embeds, targets, mask, tau, ignore_index, weights, want_pred, want_embeds):

@@ -115,7 +115,7 @@ def _infonce_chunk_kernel(
         if LAST:
             lse = _store_row_results(
                 lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, running_max, running_sum, target_logit,
-                available_actions, target_available, A, ignore_index, HAS_MASK,
+                available_actions, target_available, A, ignore_index, 1.0, HAS_MASK, True,
             )  # fmt: skip
         else:
             tl.store(max_ptr + rows, running_max, mask=row_ok)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .algorithms import canonical_views
+from .algorithms import canonical_views, count_rows, reduce_losses
 from .checks import ROW_NAN_LOGIT, ROW_NO_ACTION, check_rows_have_actions, check_target_values
 
 #: Largest logits chunk (elements) the eager path materialises at once: 128 MB of fp32. Larger chunks
@@ -49,14 +49,17 @@ def _chunk_logits(pred, embeds, mask, tau, seqs: slice, steps: slice) -> torch.T
     return logits
 
 
-def infonce_forward(pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred, want_embeds):
-    """The entry's forward (``algorithms.Algorithm``): per-row float32 losses and log-sum-exps after the value
-    checks (torch ops of their own: ``status`` is None); the gradients are the backward's."""
+def infonce_forward(
+    pred, embeds, targets, mask, tau: float, ignore_index: int, reduction: str, runs: int, want_pred, want_embeds
+):  # fmt: skip
+    """The entry's forward (``algorithms.Algorithm``): the reduced loss and each row's float32 log-sum-exp,
+    after the value checks (torch ops of their own: ``status`` is None); the gradients are the backward's."""
     pred3, embeds3, targets2 = canonical_views(pred, embeds, targets)
     check_rows_have_actions(mask)
     check_target_values(targets2, mask, embeds.shape[-2], ignore_index)
     losses, lse = _forward(pred3, embeds3, targets2, mask, tau, ignore_index)
-    return losses.view(targets.shape), lse.view(targets.shape), None, None, None
+    count = count_rows(targets, ignore_index, runs) if reduction == "mean" else None
+    return reduce_losses(losses.view(targets.shape), reduction, runs, count), lse.view(targets.shape), None, None, None
 
 
 def infonce_backward(

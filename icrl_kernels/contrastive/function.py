@@ -35,6 +35,7 @@ from .algorithms import (
     INFONCE_ALGORITHMS,
     algorithm_entry,
     canonical_views,
+    count_rows,
     infonce_algorithm,
     row_weights,
     select_algorithm,
@@ -101,36 +102,28 @@ def _forward(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(loss, lse, grad_pred, grad_embeds)``: the reduced float32 loss (``[]``, ``[runs]`` or per row), each
-    row's log-sum-exp, and the gradients the forward computed (empty tensors where none)."""
-    entry = algorithm_entry(impl)
+    row's log-sum-exp where the backward needs it, and the gradients the forward computed (empty tensors where
+    none)."""
     # int64 before comparing with ignore_index: -100 would wrap around in uint8.
     targets = targets.long().contiguous()
-    count = _count(targets, ignore_index, runs) if reduction == "mean" else None
-    precompute = entry.gradients_in_forward and reduction != "none"
-    losses, lse, status, grad_pred, grad_embeds = entry.infonce_forward(
+    loss, lse, status, grad_pred, grad_embeds = algorithm_entry(impl).infonce_forward(
         pred.contiguous(), embeds.contiguous(), targets, mask if impl == EAGER else padded_mask(mask), tau,
-        ignore_index, count, precompute and want_pred, precompute and want_embeds,
+        ignore_index, reduction, runs, want_pred, want_embeds,
     )  # fmt: skip
     if status is not None:  # the value checks the kernels reported per row (checked here, in the op: compiled too)
         check_row_status(status, targets, embeds.shape[-2], ignore_index, mask is not None)
-    if reduction == "none":
-        loss = losses
-    else:
-        loss = losses.sum() if runs == 1 else losses.view(runs, -1).sum(1)
-        if count is not None:
-            loss = loss / count
     return (
         loss,
-        lse,
+        pred.new_empty(0, dtype=torch.float32) if lse is None else lse,
         pred.new_empty(0) if grad_pred is None else grad_pred,
         embeds.new_empty(0) if grad_embeds is None else grad_embeds,
     )
 
 
-def _count(targets: torch.Tensor, ignore_index: int, runs: int) -> torch.Tensor:
-    """The non-ignored rows of each run (int64 ``[runs]``; 0-dim for one run): the mean's divisor."""
-    used = targets != ignore_index
-    return used.sum() if runs == 1 else used.view(runs, -1).sum(1)
+def _keeps_lse(impl: str) -> bool:
+    """Whether the algorithm's backward reads the forward's log-sum-exps (the others compute their gradients
+    in the forward, or again in the backward)."""
+    return impl not in _GRADIENTS_IN_FORWARD
 
 
 def _forward_fake(pred, embeds, targets, mask, tau, ignore_index, reduction, runs, want_pred, want_embeds, impl):
@@ -139,7 +132,7 @@ def _forward_fake(pred, embeds, targets, mask, tau, ignore_index, reduction, run
     precompute = reduced and impl in _GRADIENTS_IN_FORWARD
     return (
         pred.new_empty(loss_shape, dtype=torch.float32),
-        pred.new_empty(targets.shape, dtype=torch.float32),
+        pred.new_empty(targets.shape if _keeps_lse(impl) else (0,), dtype=torch.float32),
         pred.new_empty(pred.shape if precompute and want_pred else (0,)),
         embeds.new_empty(embeds.shape if precompute and want_embeds else (0,)),
     )
@@ -170,7 +163,7 @@ def _backward(
     if reduction == "none":
         weights = torch.where(targets == ignore_index, 0.0, grad_loss.float())
     else:  # the reduction's weights (row_weights) times each run's upstream gradient
-        count = _count(targets, ignore_index, runs) if reduction == "mean" else None
+        count = count_rows(targets, ignore_index, runs) if reduction == "mean" else None
         upstream = grad_loss.float()
         if runs > 1:
             upstream = upstream.repeat_interleave(targets.numel() // runs).view(targets.shape)
@@ -215,8 +208,8 @@ def _save(inputs: tuple, output: tuple) -> tuple:
     _, lse, grad_pred, grad_embeds = output
     if reduction != "none" and impl in _GRADIENTS_IN_FORWARD:
         return (None,) * 5 + (grad_pred, grad_embeds, tau, ignore_index, reduction, runs, impl)
-    kept_lse = None if impl in _GRADIENTS_IN_FORWARD else lse  # the others' backward recomputes it
-    return (pred, embeds, targets, mask, kept_lse, None, None, tau, ignore_index, reduction, runs, impl)
+    return (pred, embeds, targets, mask, lse if _keeps_lse(impl) else None, None, None, tau, ignore_index,
+            reduction, runs, impl)  # fmt: skip
 
 
 infonce_op, infonce_backward_op = differentiable_op(
@@ -341,12 +334,11 @@ def _infonce_vmap(info, in_dims, pred, embeds, targets, mask, tau, ignore_index,
         loss, lse, grad_pred, grad_embeds = infonce_op(*folded, tau, ignore_index, reduction, size * runs, want_pred,
                                                        want_embeds, impl)  # fmt: skip
     loss_shape = targets_shape if reduction == "none" else (() if runs == 1 else (runs,))
-    outputs = (loss.view(size, *loss_shape), lse.view(size, *targets_shape))
-    grads = tuple(
-        (grad, None) if grad.numel() == 0 else (grad.view(size, *shape), 0)
-        for grad, shape in ((grad_pred, pred_shape), (grad_embeds, embeds_shape))
-    )
-    return (*outputs, grads[0][0], grads[1][0]), (0, 0, grads[0][1], grads[1][1])
+    # Each output per run (an empty one, nothing computed, stays unbatched).
+    shapes = (loss_shape, targets_shape, pred_shape, embeds_shape)
+    outputs = [(output, None) if output.numel() == 0 else (output.view(size, *shape), 0)
+               for output, shape in zip((loss, lse, grad_pred, grad_embeds), shapes)]  # fmt: skip
+    return tuple(output for output, _ in outputs), tuple(dim for _, dim in outputs)
 
 
 def _select_vmap(info, in_dims, pred, embeds, mask, tau, sample, seed, impl):

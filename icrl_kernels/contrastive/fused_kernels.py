@@ -48,14 +48,13 @@ The functions ``infonce_forward``, ``infonce_backward`` and ``select`` are the a
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, cdiv, launch, next_power_of_2, size_bucket
+from .._triton import autotune, cdiv, launch, next_power_of_2
+from .algorithms import count_rows, reduce_losses
 from .kernels import (
     MAX_BLOCK_A,
     _available,
@@ -69,10 +68,8 @@ from .kernels import (
     _store_choice,
     _store_row_results,
     _store_single_tile_grad,
-    half_dot,
     layout,
     mask_args,
-    row_strides,
 )
 
 #: Action tile of InfoNCE's forward and ``grad_pred`` with streamed actions (more than 128) and
@@ -169,7 +166,7 @@ def _infonce_forward_kernel(
         running_max, running_sum = _online_logsumexp(running_max, running_sum, logits)
     _store_row_results(
         lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, running_max, running_sum, target_logit,
-        available_actions, target_available, A, ignore_index, HAS_MASK,
+        available_actions, target_available, A, ignore_index, 1.0, HAS_MASK, True,
     )  # fmt: skip
 
 
@@ -370,30 +367,26 @@ def _num_splits(rows: int, tiles: int) -> int:
     return max(1, min(cdiv(rows, MIN_SPLIT_ROWS), TARGET_PROGRAMS // tiles))
 
 
-@functools.lru_cache(maxsize=256)
-def row_grid(rows: int, groups: int):
-    """The launch grid of a kernel whose programs take ``BLOCK_N`` rows of one group (made once per size)."""
-    return lambda meta: (cdiv(rows, meta["BLOCK_N"]) * groups,)
-
-
-def infonce_forward(pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred, want_embeds):
-    """``ALGORITHMS["fused"]``'s forward (``algorithms.Algorithm``): per-row ``(losses, lse, status)``, float32
-    losses and log-sum-exps and the int8 status of the value checks (``checks.ROW_*``, 0 where the row is
-    fine); the gradients are the backward's (``count``, ``want_pred`` and ``want_embeds`` are not read)."""
-    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+def infonce_forward(
+    pred, embeds, targets, mask, tau: float, ignore_index: int, reduction: str, runs: int, want_pred, want_embeds
+):  # fmt: skip
+    """``ALGORITHMS["fused"]``'s forward (``algorithms.Algorithm``): the reduced loss, each row's float32
+    log-sum-exp and the int8 status of the value checks (``checks.ROW_*``, 0 where the row is fine); the
+    gradients are the backward's (``want_pred`` and ``want_embeds`` are not read)."""
+    shape = layout(pred, embeds)
     mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
     losses = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
     lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
     status = empty_output(targets.shape, dtype=torch.int8, device=pred.device)
-    half = half_dot(pred.dtype)
-    launch(_infonce_forward_kernel, row_grid(rows, groups))(
+    launch(_infonce_forward_kernel, shape.grid)(
         pred, embeds, mask_t, targets, losses, lse, status,
-        steps, num_actions, dim, rows, tau, ignore_index, mask_cols, size_bucket(rows),
-        stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma,
-        HAS_MASK=mask is not None, HALF_DOT=half,
-        BLOCK_A=_block_a(num_actions, half, dim),  # grad_pred's tiles: the same logits
+        shape.steps, shape.num_actions, shape.dim, shape.rows, tau, ignore_index, mask_cols, shape.size_bucket,
+        shape.stride_pb, shape.stride_pt, shape.stride_eg, shape.stride_ea, smb, smt, sma,
+        HAS_MASK=mask is not None, HALF_DOT=shape.half,
+        BLOCK_A=_block_a(shape.num_actions, shape.half, shape.dim),  # grad_pred's tiles: the same logits
     )  # fmt: skip
-    return losses, lse, status, None, None
+    count = count_rows(targets, ignore_index, runs) if reduction == "mean" else None
+    return reduce_losses(losses, reduction, runs, count), lse, status, None, None
 
 
 def infonce_backward(
@@ -411,21 +404,21 @@ def infonce_backward(
 
 def _grad_pred(weights, pred, embeds, targets, mask, lse, tau: float):
     """The ``grad_pred`` kernel's launch: ``pred``'s gradient in its dtype and shape."""
-    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+    shape = layout(pred, embeds)
+    dim, rows, groups, half = shape.dim, shape.rows, shape.groups, shape.half
     mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
-    half = half_dot(pred.dtype)
-    block_a = _block_a(num_actions, half, dim)
-    single_tile = num_actions <= block_a
+    block_a = _block_a(shape.num_actions, half, dim)
+    single_tile = shape.num_actions <= block_a
     grad_pred = empty_output(pred.shape, dtype=pred.dtype, device=pred.device)
-    stride_gb, stride_gt = row_strides(grad_pred, embeds.dim() == 3)
 
     def grid(meta):
         columns = 1 if single_tile else _column_blocks(dim, meta["MAX_DO"], half)
         return (cdiv(rows, meta["BLOCK_N"]) * groups, columns)
 
     launch(_infonce_grad_pred_kernel, grid)(
-        pred, embeds, mask_t, targets, lse, weights, grad_pred, steps, num_actions, dim, rows, tau, mask_cols,
-        size_bucket(rows), stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma, stride_gb, stride_gt,
+        pred, embeds, mask_t, targets, lse, weights, grad_pred, shape.steps, shape.num_actions, dim, rows, tau,
+        mask_cols, shape.size_bucket, shape.stride_pb, shape.stride_pt, shape.stride_eg, shape.stride_ea, smb, smt, sma,
+        shape.stride_gb, shape.stride_gt,
         HAS_MASK=mask is not None, HALF_DOT=half, SINGLE_TILE=single_tile, BLOCK_A=block_a, DO_FULL=_do_full(dim),
     )  # fmt: skip
     return grad_pred
@@ -435,9 +428,9 @@ def infonce_grad_embeds(weights, pred, embeds, targets, mask, lse, tau: float):
     """The map's gradient (``embeds``' dtype and shape) given each row's loss gradient ``weights`` (float32,
     zero on ignored rows) and log-sum-exp ``lse``: the ``grad_embeds`` kernel, with its rows split across
     programs when there are few action tiles (partial sums added afterwards). Also the ``small`` algorithm's."""
-    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+    shape = layout(pred, embeds)
+    dim, num_actions, groups, rows, half = shape.dim, shape.num_actions, shape.groups, shape.rows, shape.half
     mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
-    half = half_dot(pred.dtype)
     block_a = _block_a_embeds(num_actions, dim, half)
     action_blocks = cdiv(num_actions, block_a)
     num_splits = _num_splits(rows, action_blocks * groups)
@@ -453,9 +446,9 @@ def infonce_grad_embeds(weights, pred, embeds, targets, mask, lse, tau: float):
         return (action_blocks * groups * num_splits, _column_blocks(dim, meta["MAX_DO"], half))
 
     launch(_infonce_grad_embeds_kernel, grid)(
-        pred, embeds, mask_t, targets, lse, weights, w_max, out, steps, num_actions, dim, rows, rows_per_split,
-        num_splits, tau, mask_cols, size_bucket(rows), stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma,
-        out.stride(0), out.stride(1),
+        pred, embeds, mask_t, targets, lse, weights, w_max, out, shape.steps, num_actions, dim, rows, rows_per_split,
+        num_splits, tau, mask_cols, shape.size_bucket, shape.stride_pb, shape.stride_pt, shape.stride_eg,
+        shape.stride_ea, smb, smt, sma, out.stride(0), out.stride(1),
         HAS_MASK=mask is not None, HALF_DOT=half, BLOCK_A=block_a, DO_FULL=_do_full(dim),
     )  # fmt: skip
     if num_splits > 1:
@@ -468,14 +461,14 @@ def select(pred, embeds, mask, tau: float, sample: bool, seed: torch.Tensor, see
     per row the argmax of the logits over the available actions, plus Gumbel noise from the device seeds when
     ``sample`` (flat row ``r``: seed ``seed[r // seed_rows]``, counter ``(r % seed_rows) * A + action``); the int8
     status (``checks.ROW_*``) flags a row with no available action or a NaN logit of an available one."""
-    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+    shape = layout(pred, embeds)
     mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
     actions = empty_output(pred.shape[:-1], dtype=torch.int64, device=pred.device)
     status = empty_output(pred.shape[:-1], dtype=torch.int8, device=pred.device)
-    half = half_dot(pred.dtype)
-    launch(_select_actions_kernel, row_grid(rows, groups))(
-        pred, embeds, mask_t, seed, actions, status, steps, num_actions, dim, rows, seed_rows, tau, mask_cols,
-        size_bucket(rows), stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma,
-        SAMPLE=sample, HAS_MASK=mask is not None, HALF_DOT=half, BLOCK_A=_block_a(num_actions, half),
+    launch(_select_actions_kernel, shape.grid)(
+        pred, embeds, mask_t, seed, actions, status, shape.steps, shape.num_actions, shape.dim, shape.rows, seed_rows,
+        tau, mask_cols, shape.size_bucket, shape.stride_pb, shape.stride_pt, shape.stride_eg, shape.stride_ea,
+        smb, smt, sma,
+        SAMPLE=sample, HAS_MASK=mask is not None, HALF_DOT=shape.half, BLOCK_A=_block_a(shape.num_actions, shape.half),
     )  # fmt: skip
     return actions, status

@@ -22,11 +22,16 @@ interpreter bf16 tiles are upcast first (:func:`half_dot`). Scales are applied i
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
+from .._triton import cdiv, size_bucket
 from . import checks
 
 # The per-row status codes (checks.check_row_status and checks.check_selection_status read them).
@@ -128,15 +133,19 @@ def _online_logsumexp(running_max, running_sum, logits):
 @triton.jit
 def _store_row_results(
     lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, running_max, running_sum, target_logit,
-    available_actions, target_available, A, ignore_index, HAS_MASK: tl.constexpr,
+    available_actions, target_available, A, ignore_index, loss_weight, HAS_MASK: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):  # fmt: skip
-    """Store each row's log-sum-exp, loss and status of the value checks (``checks.ROW_*``) from its
-    online statistics; return the log-sum-exp."""
+    """Store each row's loss times ``loss_weight`` (a row's share of a reduction, or 1), status of the value
+    checks (``checks.ROW_*``) and, with ``STORE_LSE``, log-sum-exp from its online statistics; return the
+    log-sum-exp."""
     # Rows past the end, or whose mask allows no action, have sum 0: log(1) keeps the log finite (the
     # lse is then running_max = -inf, or not stored); a NaN sum stays NaN.
     lse = running_max + tl.log(tl.where(running_sum == 0, 1.0, running_sum))
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
-    tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit), mask=row_ok)
+    if STORE_LSE:
+        tl.store(lse_ptr + rows, lse, mask=row_ok)
+    # An ignored row's 0 is weighted too: 0 * (1 / 0) = NaN where every row of a run is ignored, the mean's 0 / 0.
+    tl.store(loss_ptr + rows, tl.where(targets == ignore_index, 0.0, lse - target_logit) * loss_weight, mask=row_ok)
     used = targets != ignore_index
     out_of_range = used & ((targets < 0) | (targets >= A))
     status = tl.where(out_of_range, ROW_TARGET_OUT_OF_RANGE, 0)
@@ -228,29 +237,63 @@ def half_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not triton_interpreter_enabled()
 
 
-def row_strides(tensor: torch.Tensor, per_sequence: bool) -> tuple[int, int]:
-    """``(stride_b, stride_t)`` of a row-indexed tensor (``pred`` or its gradient) in the ``[B, T]`` grid:
-    ``[B, T, D]`` as it is, ``[N, D]`` one sequence of ``N`` steps, per-sequence ``[B, D]`` ``B`` one-step
-    sequences (the stride of a dimension of one element is never used: 0)."""
-    if tensor.dim() == 3:
-        return tensor.stride(0), tensor.stride(1)
-    return (tensor.stride(0), 0) if per_sequence else (0, tensor.stride(0))
+class Layout(NamedTuple):
+    """What the launchers need of ``pred`` and ``embeds`` as the public functions pass them (:func:`layout`).
+
+    ``[N, D]`` predictions are one sequence of ``N`` steps, per-sequence ``[B, D]`` ones ``B`` sequences of one
+    step; ``groups`` is 1 (a shared map) or ``B`` (one per sequence) and ``rows`` the rows per group. Strides are
+    those of ``pred`` (``stride_pb``, ``stride_pt``; 0 for a dimension of one element), of ``embeds`` and of a
+    contiguous gradient of ``pred``'s shape (``stride_gb``, ``stride_gt``); ``half``: :func:`half_dot`;
+    ``size_bucket``: the autotune key of ``rows``; ``grid``: the grid of a launch whose programs take
+    ``BLOCK_N`` rows of one group."""
+
+    batch: int
+    steps: int
+    dim: int
+    num_actions: int
+    groups: int
+    rows: int
+    stride_pb: int
+    stride_pt: int
+    stride_eg: int
+    stride_ea: int
+    stride_gb: int
+    stride_gt: int
+    half: bool
+    size_bucket: int
+    grid: Callable
 
 
-def layout(pred: torch.Tensor, embeds: torch.Tensor):
-    """What every launcher needs of ``pred`` and ``embeds`` as the public functions pass them:
-    ``(batch, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea)``; ``groups``
-    is 1 (a shared map) or ``B`` (one per sequence) and ``rows`` the rows per group."""
-    per_sequence = embeds.dim() == 3
-    dim, num_actions = pred.shape[-1], embeds.shape[-2]
-    if pred.dim() == 3:
-        batch, steps = pred.shape[0], pred.shape[1]
+def layout(pred: torch.Tensor, embeds: torch.Tensor) -> Layout:
+    """The :class:`Layout` of ``pred`` and ``embeds``, computed once per shapes, strides and dtype (a repeated call
+    is one cache lookup; symbolic sizes while torch traces are computed every time)."""
+    try:
+        return _layout(pred.shape, pred.stride(), embeds.shape, embeds.stride(), pred.dtype)
+    except TypeError:  # a SymInt: unhashable
+        return _layout.__wrapped__(pred.shape, pred.stride(), embeds.shape, embeds.stride(), pred.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(pred_shape, pred_strides, embeds_shape, embeds_strides, dtype: torch.dtype) -> Layout:
+    per_sequence = len(embeds_shape) == 3
+    dim, num_actions = pred_shape[-1], embeds_shape[-2]
+    if len(pred_shape) == 3:
+        batch, steps = pred_shape[0], pred_shape[1]
+        pred_rows, grad_rows = pred_strides[:2], (steps * dim, dim)
+    elif per_sequence:
+        batch, steps = pred_shape[0], 1
+        pred_rows, grad_rows = (pred_strides[0], 0), (dim, 0)
     else:
-        batch, steps = (pred.shape[0], 1) if per_sequence else (1, pred.shape[0])
-    stride_pb, stride_pt = row_strides(pred, per_sequence)
-    if per_sequence:
-        return batch, steps, dim, num_actions, batch, steps, stride_pb, stride_pt, embeds.stride(0), embeds.stride(1)
-    return batch, steps, dim, num_actions, 1, batch * steps, stride_pb, stride_pt, 0, embeds.stride(0)
+        batch, steps = 1, pred_shape[0]
+        pred_rows, grad_rows = (0, pred_strides[0]), (0, dim)
+    groups, rows = (batch, steps) if per_sequence else (1, batch * steps)
+    embeds_rows = (embeds_strides[0], embeds_strides[1]) if per_sequence else (0, embeds_strides[0])
+
+    def grid(meta):
+        return (cdiv(rows, meta["BLOCK_N"]) * groups,)
+
+    return Layout(batch, steps, dim, num_actions, groups, rows, *pred_rows, *embeds_rows, *grad_rows,
+                  half_dot(dtype), size_bucket(rows), grid)  # fmt: skip
 
 
 def mask_args(mask: torch.Tensor | None, stand_in: torch.Tensor):

@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, launch, next_power_of_2, size_bucket
-from .algorithms import row_weights
-from .fused_kernels import infonce_grad_embeds, row_grid
+from .._triton import autotune, launch, next_power_of_2
+from .algorithms import count_rows, row_weights
+from .fused_kernels import infonce_grad_embeds
 from .fused_kernels import select as select  # the fused selection is the small algorithm's too
 from .kernels import (
     _available,
@@ -36,15 +36,21 @@ from .kernels import (
     _softmax_minus_one_hot,
     _store_row_results,
     _store_single_tile_grad,
-    half_dot,
     layout,
     mask_args,
-    row_strides,
 )
 
 #: ``ROW_WEIGHTS`` of the kernel: how each non-ignored row's gradient weight ``w_r`` is found.
-WEIGHT_ONE, WEIGHT_MEAN, WEIGHT_GIVEN = 0, 1, 2
-_WEIGHT_MEAN, _WEIGHT_GIVEN = tl.constexpr(WEIGHT_MEAN), tl.constexpr(WEIGHT_GIVEN)  # the kernel's copies
+WEIGHT_ONE, WEIGHT_MEAN, WEIGHT_GIVEN, WEIGHT_MEAN_COUNTED = 0, 1, 2, 3
+# The kernel's copies.
+_WEIGHT_MEAN, _WEIGHT_GIVEN = tl.constexpr(WEIGHT_MEAN), tl.constexpr(WEIGHT_GIVEN)
+_WEIGHT_MEAN_COUNTED = tl.constexpr(WEIGHT_MEAN_COUNTED)
+#: Up to this many rows (one run) the kernel counts the mean's non-ignored rows itself: every program reads every
+#: target (8 bytes a row, from L2: 256 programs x 64 KB at 8192 rows, a few us on an H100), where counting
+#: them with torch ops costs two launches (~10 us of host time each call on a GPU). An estimate, not measured.
+COUNT_IN_KERNEL_MAX_ROWS = 8192
+#: Targets a program reads per step of that count.
+COUNT_BLOCK = tl.constexpr(1024)
 
 #: Output columns per gradient dot with fp32 inputs, whatever the config: IEEE fp32 dots run on FMA units, which
 #: keep a slice of both operands along the reduced axis (here all 128 actions) in each thread;
@@ -71,12 +77,14 @@ def _infonce_small_kernel(
     T, A, D, ROWS, RUN_ROWS, tau, ignore_index, MASK_COLS, SIZE_BUCKET,
     stride_pb, stride_pt, stride_eg, stride_ea, stride_mb, stride_mt, stride_ma, stride_gb, stride_gt,
     HAS_MASK: tl.constexpr, HALF_DOT: tl.constexpr, WRITE_GRAD: tl.constexpr, ROW_WEIGHTS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+    STORE_LSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Per row: loss, log-sum-exp and status (``checks.ROW_*``), and with ``WRITE_GRAD`` the gradient for
-    ``pred`` under the row weights ``ROW_WEIGHTS`` (:data:`WEIGHT_ONE`, :data:`WEIGHT_MEAN`: ``1 / count`` with
-    ``count`` read from ``count_ptr[r // RUN_ROWS]``, one count per run of ``RUN_ROWS`` flat rows,
-    :data:`WEIGHT_GIVEN`: ``weights_ptr[r]``; 0 on ignored rows)."""
+    """Per row: loss, status (``checks.ROW_*``), with ``STORE_LSE`` log-sum-exp, and with ``WRITE_GRAD`` the
+    gradient for ``pred`` under the row weights ``ROW_WEIGHTS`` (:data:`WEIGHT_ONE`; :data:`WEIGHT_MEAN`:
+    ``1 / count`` with ``count`` read from ``count_ptr[r // RUN_ROWS]``, one count per run of ``RUN_ROWS`` flat
+    rows; :data:`WEIGHT_MEAN_COUNTED`: ``1 / count`` of the non-ignored rows among the first ``RUN_ROWS``,
+    counted by the program; :data:`WEIGHT_GIVEN`: ``weights_ptr[r]``; 0 on ignored rows). With a mean's weights
+    the stored loss is the row's term of the mean, ``loss / count``."""
     GRAD_D: tl.constexpr = BLOCK_D if HALF_DOT else FMA_BLOCK_D
     group, local = _row_tile(ROWS, BLOCK_N)
     row_ok = local < ROWS
@@ -102,18 +110,28 @@ def _infonce_small_kernel(
     row_max, row_sum = _online_logsumexp(
         tl.full([BLOCK_N], float("-inf"), dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32), logits
     )  # fmt: skip
+    if ROW_WEIGHTS == _WEIGHT_GIVEN:
+        weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
+    elif ROW_WEIGHTS == _WEIGHT_MEAN:
+        count = tl.load(count_ptr + rows // RUN_ROWS, mask=row_ok, other=1)
+        weight = 1.0 / count.to(tl.float32)
+    elif ROW_WEIGHTS == _WEIGHT_MEAN_COUNTED:  # one run of RUN_ROWS rows, counted here
+        used = tl.zeros([COUNT_BLOCK], dtype=tl.int32)
+        for start in range(0, RUN_ROWS, COUNT_BLOCK):
+            index = start + tl.arange(0, COUNT_BLOCK)
+            used += (tl.load(targets_ptr + index, mask=index < RUN_ROWS, other=ignore_index) != ignore_index).to(
+                tl.int32
+            )
+        weight = tl.zeros([BLOCK_N], dtype=tl.float32) + 1.0 / tl.sum(used, axis=0).to(tl.float32)
+    else:
+        weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+    # The mean's row losses are its terms (loss / count): the reduction is one sum, no division.
+    loss_weight = weight if ROW_WEIGHTS == _WEIGHT_MEAN or ROW_WEIGHTS == _WEIGHT_MEAN_COUNTED else 1.0
     lse = _store_row_results(
         lse_ptr, loss_ptr, status_ptr, rows, row_ok, targets, row_max, row_sum, target_logit,
-        available_actions, target_available, A, ignore_index, HAS_MASK,
+        available_actions, target_available, A, ignore_index, loss_weight, HAS_MASK, STORE_LSE,
     )  # fmt: skip
     if WRITE_GRAD:
-        if ROW_WEIGHTS == _WEIGHT_GIVEN:
-            weight = tl.load(weights_ptr + rows, mask=row_ok, other=0.0)
-        elif ROW_WEIGHTS == _WEIGHT_MEAN:
-            count = tl.load(count_ptr + rows // RUN_ROWS, mask=row_ok, other=1)
-            weight = 1.0 / count.to(tl.float32)
-        else:
-            weight = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
         # No division by a count of 0: where every row is ignored no row takes the weight.
         row_scale = tl.where(targets != ignore_index, weight, 0.0) / tau
         grad_logits = _softmax_minus_one_hot(logits, lse, targets, actions)
@@ -124,43 +142,59 @@ def _infonce_small_kernel(
 
 
 def infonce_forward(
-    pred, embeds, targets, mask, tau: float, ignore_index: int, count, want_pred: bool, want_embeds: bool,
-    weights=None,
+    pred, embeds, targets, mask, tau: float, ignore_index: int, reduction: str, runs: int, want_pred: bool,
+    want_embeds: bool, weights=None,
 ):  # fmt: skip
-    """``ALGORITHMS["small"]``'s forward (``algorithms.Algorithm``): per-row float32 losses and log-sum-exps, int8
-    statuses, and the gradients wanted, in one launch (plus the fused ``grad_embeds`` kernel for the map). The
-    row weights of the gradients: ``weights`` (float32 per row, 0 on ignored rows: the backward's) if given,
-    else ``1 / count[run]`` (``count``: int64, each run's non-ignored rows) if given, else 1."""
-    _, steps, dim, num_actions, groups, rows, stride_pb, stride_pt, stride_eg, stride_ea = layout(pred, embeds)
+    """``ALGORITHMS["small"]``'s forward (``algorithms.Algorithm``): one launch writes each row's loss (the mean's
+    term ``loss / count`` for ``"mean"``: the reduction is one sum) and status and, for ``"mean"`` and ``"sum"``,
+    the gradient for ``pred`` wanted (the fused ``grad_embeds`` kernel adds the map's). A mean of one run of at
+    most :data:`COUNT_IN_KERNEL_MAX_ROWS` rows is counted by the kernel (no torch ops around it).
+
+    ``weights`` (the backward's, with ``reduction="none"``): float32 per-row loss gradients (0 on ignored rows),
+    the row weights of the gradients wanted instead of the reduction's."""
+    mean = reduction == "mean"
+    if weights is None and reduction == "none":  # the losses only: the backward computes the gradients
+        want_pred = want_embeds = False
+    count = None
+    if mean and (runs > 1 or want_embeds or targets.numel() > COUNT_IN_KERNEL_MAX_ROWS):
+        count = count_rows(targets, ignore_index, runs)
+    if weights is not None:
+        row_weights_kind = WEIGHT_GIVEN
+    elif mean:
+        row_weights_kind = WEIGHT_MEAN if count is not None else WEIGHT_MEAN_COUNTED
+    else:
+        row_weights_kind = WEIGHT_ONE
+    shape = layout(pred, embeds)
     mask_t, mask_cols, smb, smt, sma = mask_args(mask, pred)
     losses = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
-    lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device)
+    lse = empty_output(targets.shape, dtype=torch.float32, device=pred.device) if want_embeds else None
     status = empty_output(targets.shape, dtype=torch.int8, device=pred.device)
     grad_pred = empty_output(pred.shape, dtype=pred.dtype, device=pred.device) if want_pred else None
-    out = grad_pred if want_pred else pred  # pointers a variant never reads stand in for the absent tensors
-    stride_gb, stride_gt = row_strides(out, embeds.dim() == 3)
-    row_weights_kind = WEIGHT_GIVEN if weights is not None else WEIGHT_MEAN if count is not None else WEIGHT_ONE
-    launch(_infonce_small_kernel, row_grid(rows, groups))(
+    # Pointers a variant never reads stand in for the absent tensors.
+    launch(_infonce_small_kernel, shape.grid)(
         pred, embeds, mask_t, targets, losses if weights is None else weights, targets if count is None else count,
-        losses, lse, status, out, steps, num_actions, dim, rows, targets.numel() // max(1, count.numel())
-        if count is not None else 1, tau, ignore_index, mask_cols, size_bucket(rows),
-        stride_pb, stride_pt, stride_eg, stride_ea, smb, smt, sma, stride_gb, stride_gt,
-        HAS_MASK=mask is not None, HALF_DOT=half_dot(pred.dtype), WRITE_GRAD=want_pred, ROW_WEIGHTS=row_weights_kind,
-        BLOCK_A=max(16, next_power_of_2(num_actions)),
+        losses, losses if lse is None else lse, status, pred if grad_pred is None else grad_pred, shape.steps,
+        shape.num_actions, shape.dim, shape.rows, targets.numel() // (1 if count is None else count.numel()), tau,
+        ignore_index, mask_cols, shape.size_bucket, shape.stride_pb, shape.stride_pt, shape.stride_eg,
+        shape.stride_ea, smb, smt, sma, shape.stride_gb, shape.stride_gt,
+        HAS_MASK=mask is not None, HALF_DOT=shape.half, WRITE_GRAD=want_pred, ROW_WEIGHTS=row_weights_kind,
+        STORE_LSE=want_embeds, BLOCK_A=max(16, next_power_of_2(shape.num_actions)),
     )  # fmt: skip
     grad_embeds = None
     if want_embeds:  # a reduction over every row: the fused kernel's, from the log-sum-exp just written
-        if weights is None:
-            weights = row_weights(targets, ignore_index, count)
-        grad_embeds = infonce_grad_embeds(weights, pred, embeds, targets, mask, lse, tau)
-    return losses, lse, status, grad_pred, grad_embeds
+        grad_embeds = infonce_grad_embeds(
+            row_weights(targets, ignore_index, count) if weights is None else weights, pred, embeds, targets, mask,
+            lse, tau,
+        )  # fmt: skip
+    loss = losses if reduction == "none" else losses.sum() if runs == 1 else losses.view(runs, -1).sum(1)
+    return loss, None, status, grad_pred, grad_embeds
 
 
 def infonce_backward(
     weights, pred, embeds, targets, mask, lse, tau: float, ignore_index: int, want_pred: bool, want_embeds: bool
 ):  # fmt: skip
-    """``ALGORITHMS["small"]``'s backward (``reduction="none"``): the forward again, with the upstream row
-    ``weights``; the forward's ``lse`` is not needed."""
+    """``ALGORITHMS["small"]``'s backward (``reduction="none"``): the kernel again, with the upstream row
+    ``weights``."""
     return infonce_forward(
-        pred, embeds, targets, mask, tau, ignore_index, None, want_pred, want_embeds, weights=weights
+        pred, embeds, targets, mask, tau, ignore_index, "none", 1, want_pred, want_embeds, weights=weights
     )[3:]

@@ -8,15 +8,25 @@ backward reads ``hidden`` (an output the block keeps anyway as its residual stre
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
 from typing import Optional
 
 import torch
 
 from .._backend import resolve_backend
-from .._library import compute_dtype, differentiable_op, unfold_first, vmapped_first
+from .._library import checked_per_signature, compute_dtype, differentiable_op, first_tensor, unfold_first, vmapped_first
 from . import reference
 from .checks import check_inject_layer_norm_args
 from .eager import inject_layer_norm_backward_eager, inject_layer_norm_forward_eager
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
 
 
 # -- custom op -------------------------------------------------------------------------------------
@@ -30,9 +40,7 @@ def _forward(
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if impl == "triton":
-        from .kernels import inject_layer_norm_forward_triton
-
-        return inject_layer_norm_forward_triton(y, prompt, pos, weight, bias, eps)
+        return _kernels().inject_layer_norm_forward_triton(y, prompt, pos, weight, bias, eps)
     return inject_layer_norm_forward_eager(y, prompt, pos, weight, bias, eps)
 
 
@@ -42,8 +50,8 @@ def _forward_fake(y, prompt, pos, weight, bias, eps, impl):
 
 
 def _backward(
-    grad_hidden: torch.Tensor,
-    grad_normed: torch.Tensor,
+    grad_hidden: Optional[torch.Tensor],  # noqa: UP045 (None: hidden unused, autograd materialised nothing)
+    grad_normed: Optional[torch.Tensor],  # noqa: UP045 (None: normed unused)
     hidden: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
@@ -53,42 +61,43 @@ def _backward(
     impl: str,
     needs_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``(y, prompt, pos, weight, bias)``, ``None`` for those nobody asked for (the
+    registered op returns empty tensors there: :func:`icrl_kernels._library.differentiable_op`)."""
     want_y, want_prompt, want_pos, want_weight, want_bias = needs_grad
     want_pos = want_pos and pos is not None
     want_bias = want_bias and bias is not None
     if impl == "triton":
-        from .kernels import inject_layer_norm_backward_triton
-
-        grad_y, grad_prompt, grad_pos, grad_weight, grad_bias = inject_layer_norm_backward_triton(
+        return _kernels().inject_layer_norm_backward_triton(
             grad_hidden, grad_normed, hidden, mean, rstd, weight,
             want_y=want_y, want_prompt=want_prompt, want_pos=want_pos, want_weight=want_weight, want_bias=want_bias,
+            pos_dtype=pos.dtype if pos is not None else hidden.dtype,
+            bias_dtype=bias.dtype if bias is not None else hidden.dtype,
         )  # fmt: skip
-    else:
-        grad_x, grad_weight, grad_bias, grad_pos = inject_layer_norm_backward_eager(
-            grad_hidden, grad_normed, hidden, mean, rstd, weight, want_weight, want_bias, want_pos
-        )
-        grad_x = grad_x.to(hidden.dtype)
-        # Outputs of a custom op may not alias each other: y and prompt get equal, separate tensors.
-        grad_y = grad_x if want_y else None
-        grad_prompt = (grad_x.clone() if want_y else grad_x) if want_prompt else None
-    # Gradients nobody asked for are distinct empty tensors (outputs of a custom op may not alias).
+    zeros = torch.zeros_like(hidden)  # the eager path (CPUs) reads an absent upstream gradient as zeros
+    grad_x, grad_weight, grad_bias, grad_pos = inject_layer_norm_backward_eager(
+        grad_hidden if grad_hidden is not None else zeros, grad_normed if grad_normed is not None else zeros,
+        hidden, mean, rstd, weight, want_weight, want_bias, want_pos,
+    )  # fmt: skip
+    grad_x = grad_x.to(hidden.dtype)
+    # Outputs of a custom op may not alias each other: y and prompt get equal, separate tensors.
     return (
-        grad_y if grad_y is not None else hidden.new_empty(0),
-        grad_prompt if grad_prompt is not None else hidden.new_empty(0),
-        grad_pos.to(pos.dtype) if grad_pos is not None else hidden.new_empty(0),
-        grad_weight.to(weight.dtype) if grad_weight is not None else hidden.new_empty(0),
-        grad_bias.to(bias.dtype) if grad_bias is not None else hidden.new_empty(0),
+        grad_x if want_y else None,
+        (grad_x.clone() if want_y else grad_x) if want_prompt else None,
+        grad_pos.to(pos.dtype) if want_pos else None,
+        grad_weight.to(weight.dtype) if want_weight else None,
+        grad_bias.to(bias.dtype) if want_bias else None,
     )
 
 
 def _backward_fake(grad_hidden, grad_normed, hidden, mean, rstd, weight, bias, pos, impl, needs_grad):
     want_y, want_prompt, want_pos, want_weight, want_bias = needs_grad
+    placeholder = first_tensor((grad_hidden, grad_normed, hidden))  # as the registered backward's
     return (
-        torch.empty_like(hidden) if want_y else hidden.new_empty(0),
-        torch.empty_like(hidden) if want_prompt else hidden.new_empty(0),
-        torch.empty_like(pos) if want_pos and pos is not None else hidden.new_empty(0),
-        torch.empty_like(weight) if want_weight else hidden.new_empty(0),
-        torch.empty_like(bias) if want_bias and bias is not None else hidden.new_empty(0),
+        torch.empty_like(hidden) if want_y else placeholder.new_empty(0),
+        torch.empty_like(hidden) if want_prompt else placeholder.new_empty(0),
+        torch.empty_like(pos) if want_pos and pos is not None else placeholder.new_empty(0),
+        torch.empty_like(weight) if want_weight else placeholder.new_empty(0),
+        torch.empty_like(bias) if want_bias and bias is not None else placeholder.new_empty(0),
     )
 
 
@@ -106,10 +115,12 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=_save,
+    saved_tensors=6,  # hidden, mean, rstd, weight, bias, pos; then impl
     grad_inputs=(0, 1, 2, 3, 4),  # y, prompt, pos, weight, bias
     differentiable_outputs=2,
     pass_needs_grad=True,
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
+    materialize_grads=False,  # an unused output's gradient is None, not a zero tensor to read
 )
 
 
@@ -146,6 +157,18 @@ inject_layer_norm_op.register_vmap(_inject_layer_norm_vmap)
 
 
 # -- public function -------------------------------------------------------------------------------
+@checked_per_signature
+def _checked_call(
+    y: object, prompt: object, pos: object, weight: object, bias: object, eps: object, backend: object
+) -> tuple[float, str]:
+    """The argument checks and the backend of a call: ``(eps, impl)``, ``impl`` ``"reference"`` too for an
+    empty batch or sequence (nothing to launch)."""
+    eps = check_inject_layer_norm_args(y, prompt, pos, weight, bias, eps)
+    named = {"y": y, "prompt": prompt, "pos": pos, "weight": weight, "bias": bias}
+    impl = resolve_backend(backend, prompt.device, kernel_inputs=named)
+    return eps, "reference" if prompt.numel() == 0 else impl
+
+
 def inject_layer_norm(
     y: torch.Tensor | None,
     prompt: torch.Tensor,
@@ -191,10 +214,8 @@ def inject_layer_norm(
             on different devices, ``eps <= 0``, an unknown backend. TypeError: a non-float tensor,
             ``y`` and ``prompt`` of different dtypes, fp64 with ``backend="triton"``.
     """
-    eps = check_inject_layer_norm_args(y, prompt, pos, weight, bias, eps)
-    named = {"y": y, "prompt": prompt, "pos": pos, "weight": weight, "bias": bias}
-    impl = resolve_backend(backend, prompt.device, kernel_inputs=named)
-    if impl == "reference" or prompt.numel() == 0:  # nothing to launch for an empty batch or sequence
+    eps, impl = _checked_call(y, prompt, pos, weight, bias, eps, backend)
+    if impl == "reference":
         return reference.inject_layer_norm_reference(y, prompt, pos, weight, bias, eps=eps)
     hidden, normed, _, _ = inject_layer_norm_op(y, prompt, pos, weight, bias, eps, impl)
     return hidden, normed

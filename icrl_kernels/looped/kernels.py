@@ -21,15 +21,17 @@ Backward: from ``hidden``, ``mean`` and ``rstd`` (``y`` and ``prompt`` are not k
 written to ``d_y`` and/or ``d_prompt`` (equal values, two buffers, because outputs of a custom op may
 not alias). Each program also writes fp32 partial sums of ``d_weight = sum d_normed * xhat``,
 ``d_bias = sum d_normed`` (one row of ``D`` per program) and ``d_pos`` (one ``[L, D]`` slab per batch
-chunk); the wrapper sums the partials in a fixed order, so every gradient is deterministic (no
-atomics). ``hidden`` was rounded to the activation dtype when stored, so with half-precision
+chunk); a second, small kernel sums the partials in a fixed order and stores each parameter's gradient
+in its dtype, so every gradient is deterministic (no atomics) and no PyTorch op runs around the kernels.
+An upstream gradient that autograd leaves out (``hidden`` or ``normed`` unused) is read as zero, never
+materialised. ``hidden`` was rounded to the activation dtype when stored, so with half-precision
 activations ``xhat`` in the backward carries that rounding (well inside half-precision tolerance).
 
-Inputs ``y``, ``prompt``, ``pos``, ``d_hidden`` and ``d_normed`` may have any strides (integer strides
-equal to 1 are specialised by Triton, so the usual contiguous last dim gives vector loads); outputs
-are contiguous. Each program steps 64-bit scalar base pointers from one batch entry to the next and
-addresses its tile with 32-bit offsets (64-bit ones, chosen at launch, if one ``[L, D]`` slice spans
-2^31 elements or more), so tensors beyond 2^31 elements are fine.
+Inputs ``y``, ``prompt``, ``pos``, ``weight``, ``bias``, ``d_hidden`` and ``d_normed`` may have any
+strides (integer strides equal to 1 are specialised by Triton, so the usual contiguous last dim gives
+vector loads); outputs are contiguous. Each program steps 64-bit scalar base pointers from one batch
+entry to the next and addresses its tile with 32-bit offsets (64-bit ones, chosen at launch, if one
+``[L, D]`` slice spans 2^31 elements or more), so tensors beyond 2^31 elements are fine.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, per_signature
 
 #: Elements of one ``[BLOCK_L, BLOCK_D]`` tile; with one warp per 256 of them a thread holds 8 values
 #: per tile. Compiled offline for sm_90 (ptxas -v, no GPU run): at D = 256 (8 x 256 tile, 8 warps) the
@@ -76,8 +77,8 @@ def batch_per_program(batch: int, position_blocks: int, device: torch.device, pr
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         target = programs_per_sm * _multiprocessors(index)
-    else:
-        target = _INTERPRETER_PROGRAMS if triton_interpreter_enabled() else 1
+    else:  # Triton runs on CPU tensors only under its interpreter
+        target = _INTERPRETER_PROGRAMS
     chunks = max(1, min(batch, target // max(1, position_blocks)))
     return cdiv(batch, chunks)
 
@@ -89,7 +90,7 @@ def _inject_layer_norm_forward_kernel(
     B, L, D, batch_per_program, eps,
     stride_yb, stride_yl, stride_yd,
     stride_pb, stride_pl, stride_pd,
-    stride_el, stride_ed,
+    stride_el, stride_ed, stride_w, stride_bias,
     HAS_Y: tl.constexpr, HAS_POS: tl.constexpr, HAS_BIAS: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -101,9 +102,9 @@ def _inject_layer_norm_forward_kernel(
     col_ok = cols < D
     mask = position_ok[:, None] & col_ok[None, :]
     # Upcast right after every load: the statistics are fp32 (and the interpreter's bf16 math is wrong).
-    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols * stride_bias, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_POS:
         pos = tl.load(pos_ptr + positions[:, None] * stride_el + cols[None, :] * stride_ed, mask=mask, other=0.0)
         pos = pos.to(tl.float32)
@@ -151,8 +152,8 @@ def _inject_layer_norm_backward_kernel(
     grad_y_ptr, grad_prompt_ptr, pos_partial_ptr, weight_partial_ptr, bias_partial_ptr,
     B, L, D, batch_per_program,
     stride_hb, stride_hl, stride_hd,
-    stride_nb, stride_nl, stride_nd,
-    WRITE_Y: tl.constexpr, WRITE_PROMPT: tl.constexpr,
+    stride_nb, stride_nl, stride_nd, stride_w,
+    HAS_GRAD_HIDDEN: tl.constexpr, HAS_GRAD_NORMED: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_PROMPT: tl.constexpr,
     WANT_POS: tl.constexpr, WANT_WEIGHT: tl.constexpr, WANT_BIAS: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -165,7 +166,7 @@ def _inject_layer_norm_backward_kernel(
     position_ok = positions < L
     col_ok = cols < D
     mask = position_ok[:, None] & col_ok[None, :]
-    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
     grad_hidden_offsets = positions[:, None] * stride_hl + cols[None, :] * stride_hd
     grad_normed_offsets = positions[:, None] * stride_nl + cols[None, :] * stride_nd
     offsets = positions[:, None] * D + cols[None, :]  # of the contiguous hidden, d_y and d_prompt
@@ -184,24 +185,28 @@ def _inject_layer_norm_backward_kernel(
     mean_base = mean_ptr + first * L
     rstd_base = rstd_ptr + first * L
     for _ in range(batch_start, batch_stop):
-        hidden = tl.load(hidden_base + offsets, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_base + positions, mask=position_ok, other=0.0)
-        rstd = tl.load(rstd_base + positions, mask=position_ok, other=0.0)
-        xhat = tl.where(mask, (hidden - mean[:, None]) * rstd[:, None], 0.0)
-        grad_normed = tl.load(grad_normed_base + grad_normed_offsets, mask=mask, other=0.0).to(tl.float32)
-        g = grad_normed * weight[None, :]  # zero in masked lanes: weight and grad_normed load as 0 there
-        mean_g = tl.sum(g, axis=1) / D
-        mean_g_xhat = tl.sum(g * xhat, axis=1) / D
-        grad_x = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
-        grad_x += tl.load(grad_hidden_base + grad_hidden_offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GRAD_NORMED:
+            hidden = tl.load(hidden_base + offsets, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(mean_base + positions, mask=position_ok, other=0.0)
+            rstd = tl.load(rstd_base + positions, mask=position_ok, other=0.0)
+            xhat = tl.where(mask, (hidden - mean[:, None]) * rstd[:, None], 0.0)
+            grad_normed = tl.load(grad_normed_base + grad_normed_offsets, mask=mask, other=0.0).to(tl.float32)
+            g = grad_normed * weight[None, :]  # zero in masked lanes: weight and grad_normed load as 0 there
+            mean_g = tl.sum(g, axis=1) / D
+            mean_g_xhat = tl.sum(g * xhat, axis=1) / D
+            grad_x = (g - mean_g[:, None] - xhat * mean_g_xhat[:, None]) * rstd[:, None]
+        else:  # normed unused: no gradient through the LayerNorm (and none for weight and bias)
+            grad_x = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+        if HAS_GRAD_HIDDEN:
+            grad_x += tl.load(grad_hidden_base + grad_hidden_offsets, mask=mask, other=0.0).to(tl.float32)
         # Masked lanes of grad_x hold -mean_g * rstd: never stored, and acc_pos is stored masked.
         if WRITE_Y:
             tl.store(grad_y_base + offsets, grad_x.to(grad_y_ptr.dtype.element_ty), mask=mask)
         if WRITE_PROMPT:
             tl.store(grad_prompt_base + offsets, grad_x.to(grad_prompt_ptr.dtype.element_ty), mask=mask)
-        if WANT_WEIGHT:
+        if WANT_WEIGHT and HAS_GRAD_NORMED:
             acc_weight += grad_normed * xhat
-        if WANT_BIAS:
+        if WANT_BIAS and HAS_GRAD_NORMED:
             acc_bias += grad_normed
         if WANT_POS:
             acc_pos += grad_x
@@ -222,18 +227,99 @@ def _inject_layer_norm_backward_kernel(
         tl.store(pos_base + offsets, acc_pos, mask=mask)
 
 
-def _needs_wide_offsets(length: int, width: int, *strided: torch.Tensor | None) -> bool:
-    """Whether an offset inside one batch entry (an ``[L, D]`` slice: the last two dims) can reach 2^31."""
+@triton.jit
+def _inject_layer_norm_param_grads_kernel(
+    pos_partial_ptr, weight_partial_ptr, bias_partial_ptr, grad_pos_ptr, grad_weight_ptr, grad_bias_ptr,
+    chunks, programs, LD, D,
+    WANT_POS: tl.constexpr, WANT_WEIGHT: tl.constexpr, WANT_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The parameters' gradients from the backward's fp32 partials, summed in a fixed order and stored in each
+    parameter's dtype: ``d_pos [L * D]`` over the ``chunks`` batch chunks, ``d_weight`` and ``d_bias`` ``[D]``
+    over the ``programs`` programs. One program per ``BLOCK`` columns."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if WANT_POS:
+        pos_ok = cols < LD
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        chunk_base = pos_partial_ptr  # a 64-bit pointer stepped one [L, D] slab at a time
+        for _ in range(0, chunks):
+            acc += tl.load(chunk_base + cols, mask=pos_ok, other=0.0)
+            chunk_base += LD
+        tl.store(grad_pos_ptr + cols, acc.to(grad_pos_ptr.dtype.element_ty), mask=pos_ok)
+    if WANT_WEIGHT or WANT_BIAS:
+        if tl.program_id(0) * BLOCK < D:
+            col_ok = cols < D
+            acc_weight = tl.zeros([BLOCK], dtype=tl.float32)
+            acc_bias = tl.zeros([BLOCK], dtype=tl.float32)
+            for program in range(0, programs):
+                if WANT_WEIGHT:
+                    acc_weight += tl.load(weight_partial_ptr + program * D + cols, mask=col_ok, other=0.0)
+                if WANT_BIAS:
+                    acc_bias += tl.load(bias_partial_ptr + program * D + cols, mask=col_ok, other=0.0)
+            if WANT_WEIGHT:
+                tl.store(grad_weight_ptr + cols, acc_weight.to(grad_weight_ptr.dtype.element_ty), mask=col_ok)
+            if WANT_BIAS:
+                tl.store(grad_bias_ptr + cols, acc_bias.to(grad_bias_ptr.dtype.element_ty), mask=col_ok)
+
+
+#: Columns per program of the parameter-gradient kernel.
+_PARAM_BLOCK = 1024
+
+
+def _needs_wide_offsets(length: int, width: int, *strides: tuple[int, ...] | None) -> bool:
+    """Whether an offset inside one batch entry (an ``[L, D]`` slice: the last two dims) can reach 2^31, for
+    tensors of the given strides (``None``: absent)."""
     largest = length * width
-    for tensor in strided:
-        if tensor is not None:
-            inner = zip(tensor.shape[-2:], tensor.stride()[-2:])
-            largest = max(largest, sum((size - 1) * stride for size, stride in inner))
+    for stride in strides:
+        if stride is not None:
+            largest = max(largest, (length - 1) * stride[-2] + (width - 1) * stride[-1])
     return largest >= 2**31
 
 
-def _strides3(tensor: torch.Tensor | None) -> tuple[int, int, int]:
-    return tuple(tensor.stride()) if tensor is not None else (0, 0, 0)
+@per_signature
+def _forward_config(
+    shape: tuple[int, int, int],
+    y_strides: tuple[int, ...] | None,
+    prompt_strides: tuple[int, ...],
+    pos_strides: tuple[int, ...] | None,
+    has_bias: bool,
+    device: torch.device,
+) -> tuple[tuple[int, int], int, dict]:
+    """``(grid, batch entries per program, constexprs)`` of the forward kernel."""
+    batch, length, width = shape
+    block_l, block_d, num_warps = tile_shape(length, width)
+    position_blocks = cdiv(length, block_l)
+    per_program = batch_per_program(batch, position_blocks, device, _FORWARD_PROGRAMS_PER_SM)
+    constexprs = {
+        "HAS_Y": y_strides is not None, "HAS_POS": pos_strides is not None, "HAS_BIAS": has_bias,
+        "WIDE": _needs_wide_offsets(length, width, y_strides, prompt_strides, pos_strides),
+        "BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": num_warps,
+    }  # fmt: skip
+    return (position_blocks, cdiv(batch, per_program)), per_program, constexprs
+
+
+@per_signature
+def _backward_config(
+    shape: tuple[int, int, int],
+    grad_hidden_strides: tuple[int, ...] | None,
+    grad_normed_strides: tuple[int, ...] | None,
+    device: torch.device,
+    wants: tuple[bool, bool, bool, bool, bool],
+) -> tuple[tuple[int, int], int, dict, dict]:
+    """``(grid, batch entries per program, constexprs, constexprs of the parameter-gradient kernel)``."""
+    batch, length, width = shape
+    block_l, block_d, num_warps = tile_shape(length, width)
+    position_blocks = cdiv(length, block_l)
+    per_program = batch_per_program(batch, position_blocks, device, _BACKWARD_PROGRAMS_PER_SM)
+    want_y, want_prompt, want_pos, want_weight, want_bias = wants
+    constexprs = {
+        "HAS_GRAD_HIDDEN": grad_hidden_strides is not None, "HAS_GRAD_NORMED": grad_normed_strides is not None,
+        "WRITE_Y": want_y, "WRITE_PROMPT": want_prompt,
+        "WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias,
+        "WIDE": _needs_wide_offsets(length, width, grad_hidden_strides, grad_normed_strides),
+        "BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": num_warps,
+    }  # fmt: skip
+    params = {"WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias, "BLOCK": _PARAM_BLOCK}
+    return (position_blocks, cdiv(batch, per_program)), per_program, constexprs, params
 
 
 def inject_layer_norm_forward_triton(
@@ -245,34 +331,33 @@ def inject_layer_norm_forward_triton(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton forward: ``(hidden, normed)`` contiguous in ``prompt.dtype``, ``(mean, rstd)`` ``[B, L]`` fp32."""
-    batch, length, width = prompt.shape
+    batch, length, width = shape = prompt.shape
     device = prompt.device
-    hidden = empty_output(prompt.shape, dtype=prompt.dtype, device=device)
-    normed = empty_output(prompt.shape, dtype=prompt.dtype, device=device)
+    y_strides = y.stride() if y is not None else None
+    prompt_strides = prompt.stride()
+    pos_strides = pos.stride() if pos is not None else None
+    grid, per_program, constexprs = _forward_config(
+        shape, y_strides, prompt_strides, pos_strides, bias is not None, device
+    )
+    hidden = empty_output(shape, dtype=prompt.dtype, device=device)
+    normed = empty_output(shape, dtype=prompt.dtype, device=device)
     mean = empty_output((batch, length), dtype=torch.float32, device=device)
     rstd = empty_output((batch, length), dtype=torch.float32, device=device)
-    block_l, block_d, num_warps = tile_shape(length, width)
-    position_blocks = cdiv(length, block_l)
-    per_program = batch_per_program(batch, position_blocks, device, _FORWARD_PROGRAMS_PER_SM)
-    grid = (position_blocks, cdiv(batch, per_program))
-    weight = weight.contiguous()
-    bias = bias.contiguous() if bias is not None else None
     launch(_inject_layer_norm_forward_kernel, grid)(
         y if y is not None else prompt, prompt, pos if pos is not None else weight, weight,
         bias if bias is not None else weight,
         hidden, normed, mean, rstd,
         batch, length, width, per_program, eps,
-        *_strides3(y), *prompt.stride(), *(pos.stride() if pos is not None else (0, 0)),
-        HAS_Y=y is not None, HAS_POS=pos is not None, HAS_BIAS=bias is not None,
-        WIDE=_needs_wide_offsets(length, width, y, prompt, pos),
-        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+        *(y_strides or (0, 0, 0)), *prompt_strides, *(pos_strides or (0, 0)),
+        weight.stride(0), bias.stride(0) if bias is not None else 0,
+        **constexprs,
     )  # fmt: skip
     return hidden, normed, mean, rstd
 
 
 def inject_layer_norm_backward_triton(
-    grad_hidden: torch.Tensor,
-    grad_normed: torch.Tensor,
+    grad_hidden: torch.Tensor | None,
+    grad_normed: torch.Tensor | None,
     hidden: torch.Tensor,
     mean: torch.Tensor,
     rstd: torch.Tensor,
@@ -283,37 +368,48 @@ def inject_layer_norm_backward_triton(
     want_pos: bool,
     want_weight: bool,
     want_bias: bool,
+    pos_dtype: torch.dtype = torch.float32,
+    bias_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Triton backward: ``(d_y, d_prompt)`` contiguous in ``hidden.dtype`` and fp32 ``(d_pos, d_weight,
-    d_bias)``; ``None`` for each gradient not wanted."""
-    batch, length, width = hidden.shape
+    """Triton backward: ``(d_y, d_prompt)`` contiguous in ``hidden.dtype``, ``d_pos`` in ``pos_dtype``,
+    ``d_weight`` in ``weight.dtype`` and ``d_bias`` in ``bias_dtype``; ``None`` for each gradient not wanted.
+    A ``None`` upstream gradient (that output unused) counts as zero."""
+    batch, length, width = shape = hidden.shape
     device = hidden.device
-    hidden, mean, rstd, weight = hidden.contiguous(), mean.contiguous(), rstd.contiguous(), weight.contiguous()
-    block_l, block_d, num_warps = tile_shape(length, width)
-    position_blocks = cdiv(length, block_l)
-    per_program = batch_per_program(batch, position_blocks, device, _BACKWARD_PROGRAMS_PER_SM)
-    grid = (position_blocks, cdiv(batch, per_program))
+    hidden, mean, rstd = hidden.contiguous(), mean.contiguous(), rstd.contiguous()
+    grad_hidden_strides = grad_hidden.stride() if grad_hidden is not None else None
+    grad_normed_strides = grad_normed.stride() if grad_normed is not None else None
+    wants = (want_y, want_prompt, want_pos, want_weight, want_bias)
+    grid, per_program, constexprs, param_constexprs = _backward_config(
+        shape, grad_hidden_strides, grad_normed_strides, device, wants
+    )
     programs = grid[0] * grid[1]
-    grad_y = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_y else None
-    grad_prompt = empty_output(hidden.shape, dtype=hidden.dtype, device=device) if want_prompt else None
+    grad_y = empty_output(shape, dtype=hidden.dtype, device=device) if want_y else None
+    grad_prompt = empty_output(shape, dtype=hidden.dtype, device=device) if want_prompt else None
     # Partials are poisoned under test like any output: a program that skipped its slot shows as NaN.
     pos_partial = empty_output((grid[1], length, width), dtype=torch.float32, device=device) if want_pos else None
     weight_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_weight else None
     bias_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_bias else None
-    # Gradients not wanted get a placeholder pointer; their constexpr flag keeps the kernel off it.
+    # Gradients not wanted, and absent upstream gradients, get a placeholder pointer; their constexpr flag
+    # keeps the kernel off it.
     launch(_inject_layer_norm_backward_kernel, grid)(
-        grad_hidden, grad_normed, hidden, mean, rstd, weight,
+        grad_hidden if grad_hidden is not None else hidden, grad_normed if grad_normed is not None else hidden,
+        hidden, mean, rstd, weight,
         *(t if t is not None else hidden for t in (grad_y, grad_prompt, pos_partial, weight_partial, bias_partial)),
         batch, length, width, per_program,
-        *grad_hidden.stride(), *grad_normed.stride(),
-        WRITE_Y=want_y, WRITE_PROMPT=want_prompt, WANT_POS=want_pos, WANT_WEIGHT=want_weight, WANT_BIAS=want_bias,
-        WIDE=_needs_wide_offsets(length, width, grad_hidden, grad_normed),
-        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+        *(grad_hidden_strides or (0, 0, 0)), *(grad_normed_strides or (0, 0, 0)), weight.stride(0),
+        **constexprs,
     )  # fmt: skip
-    return (
-        grad_y,
-        grad_prompt,
-        pos_partial.sum(dim=0) if want_pos else None,
-        weight_partial.sum(dim=0) if want_weight else None,
-        bias_partial.sum(dim=0) if want_bias else None,
-    )
+    if not (want_pos or want_weight or want_bias):
+        return grad_y, grad_prompt, None, None, None
+    grad_pos = empty_output((length, width), dtype=pos_dtype, device=device) if want_pos else None
+    grad_weight = empty_output((width,), dtype=weight.dtype, device=device) if want_weight else None
+    grad_bias = empty_output((width,), dtype=bias_dtype, device=device) if want_bias else None
+    columns = length * width if want_pos else width
+    launch(_inject_layer_norm_param_grads_kernel, (cdiv(columns, _PARAM_BLOCK),))(
+        *(t if t is not None else hidden for t in (pos_partial, weight_partial, bias_partial)),
+        *(t if t is not None else hidden for t in (grad_pos, grad_weight, grad_bias)),
+        grid[1], programs, length * width, width,
+        **param_constexprs,
+    )  # fmt: skip
+    return grad_y, grad_prompt, grad_pos, grad_weight, grad_bias

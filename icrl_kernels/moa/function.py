@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op, empty_output_like, fold_vmap_into_batch
+from .._library import checked_per_signature, differentiable_op, empty_output_like, fold_vmap_into_batch
 from . import reference
 from .checks import check_mixture_of_heads_args
 from .eager import mixture_of_heads_backward_eager, mixture_of_heads_forward_eager
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
+
+
 def _forward(head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str, impl: str) -> torch.Tensor:
     if impl == "triton":
-        from .kernels import mixture_of_heads_forward_triton
-
-        return mixture_of_heads_forward_triton(head_out, gate_logits, gate)
+        return _kernels().mixture_of_heads_forward_triton(head_out, gate_logits, gate)
     return mixture_of_heads_forward_eager(head_out, gate_logits, gate)
 
 
@@ -28,9 +37,7 @@ def _backward(
     grad_out: torch.Tensor, head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str, impl: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if impl == "triton":
-        from .kernels import mixture_of_heads_backward_triton
-
-        return mixture_of_heads_backward_triton(grad_out, head_out, gate_logits, gate)
+        return _kernels().mixture_of_heads_backward_triton(grad_out, head_out, gate_logits, gate)
     return mixture_of_heads_backward_eager(grad_out, head_out, gate_logits, gate)
 
 
@@ -45,11 +52,21 @@ mixture_of_heads_op, mixture_of_heads_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs,  # (head_out, gate_logits, gate, impl)
+    saved_tensors=2,
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
 # Under torch.func.vmap (runs trained as one batched model) the runs' tokens are more rows: one launch for all.
 fold_vmap_into_batch(mixture_of_heads_op)
+
+
+@checked_per_signature
+def _checked_impl(head_out: object, gate_logits: object, gate: object, backend: object) -> str:
+    """The argument checks and the backend of a call: ``"triton"``, ``"eager"`` or ``"reference"`` (an empty
+    batch or sequence too: nothing to launch)."""
+    check_mixture_of_heads_args(head_out, gate_logits, gate)
+    impl = resolve_backend(backend, head_out.device, kernel_inputs={"head_out": head_out, "gate_logits": gate_logits})
+    return "reference" if head_out.numel() == 0 else impl
 
 
 def mixture_of_heads(
@@ -77,9 +94,8 @@ def mixture_of_heads(
         in fp32; differentiable w.r.t. both inputs. The ``head_out`` gradient has ``head_out``'s dtype and
         memory order, the ``gate_logits`` gradient ``gate_logits``' dtype.
     """
-    check_mixture_of_heads_args(head_out, gate_logits, gate)
-    impl = resolve_backend(backend, head_out.device, kernel_inputs={"head_out": head_out, "gate_logits": gate_logits})
-    if impl == "reference" or head_out.numel() == 0:  # nothing to launch for an empty batch or sequence
+    impl = _checked_impl(head_out, gate_logits, gate, backend)
+    if impl == "reference":
         return reference.mixture_of_heads_reference(head_out, gate_logits, gate)
     return mixture_of_heads_op(head_out, gate_logits, gate, impl)
 

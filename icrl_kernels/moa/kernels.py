@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output, empty_output_like
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, per_signature
 from .checks import GATES
 
 #: Elements per chunk (BLOCK_R x BLOCK_H x BLOCK_D).
@@ -124,25 +124,28 @@ def _mixture_of_heads_backward_kernel(
              mask=row_ok[:, None] & head_ok[None, :])  # fmt: skip
 
 
-def _launch_config(head_out: torch.Tensor) -> tuple[tuple[int], dict]:
-    batch, length, heads, head_dim = head_out.shape
+@per_signature
+def _launch_config(shape: tuple[int, int, int, int], gate: str) -> tuple[tuple[int], tuple[int, int, int], dict]:
+    """``(grid, output shape, constexprs)`` for ``head_out`` of ``shape``."""
+    batch, length, heads, head_dim = shape
     block_r, block_h, block_d = block_sizes(heads, head_dim)
     grid = (cdiv(batch * length, block_r),)
-    return grid, {"BLOCK_R": block_r, "BLOCK_H": block_h, "BLOCK_D": block_d}
+    constexprs = {"GATE": _GATE_CODES[gate], "BLOCK_R": block_r, "BLOCK_H": block_h, "BLOCK_D": block_d}
+    return grid, (batch, length, heads * head_dim), constexprs
 
 
 def mixture_of_heads_forward_triton(head_out: torch.Tensor, gate_logits: torch.Tensor, gate: str) -> torch.Tensor:
     """Triton forward: ``head_out [B, L, H, Dh]``, ``gate_logits [B, L, H]`` (any strides) -> contiguous
     ``[B, L, H * Dh]`` in ``head_out.dtype``."""
-    batch, length, heads, head_dim = head_out.shape
-    out = empty_output((batch, length, heads * head_dim), dtype=head_out.dtype, device=head_out.device)
-    grid, blocks = _launch_config(head_out)
+    batch, length, heads, head_dim = shape = head_out.shape
+    grid, out_shape, constexprs = _launch_config(shape, gate)
+    out = empty_output(out_shape, dtype=head_out.dtype, device=head_out.device)
     launch(_mixture_of_heads_forward_kernel, grid)(
         head_out, gate_logits, out,
         batch * length, length, heads, head_dim,
         *head_out.stride(),
         *gate_logits.stride(),
-        GATE=_GATE_CODES[gate], **blocks,
+        **constexprs,
     )  # fmt: skip
     return out
 
@@ -152,10 +155,10 @@ def mixture_of_heads_backward_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton backward: ``grad_head`` (``head_out``'s dtype and memory order) and ``grad_gate_logits``
     (contiguous, ``gate_logits.dtype``) in one pass."""
-    batch, length, heads, head_dim = head_out.shape
+    batch, length, heads, head_dim = shape = head_out.shape
+    grid, _, constexprs = _launch_config(shape, gate)
     grad_head = empty_output_like(head_out, head_out.dtype)
     grad_gate = empty_output(gate_logits.shape, dtype=gate_logits.dtype, device=gate_logits.device)
-    grid, blocks = _launch_config(head_out)
     launch(_mixture_of_heads_backward_kernel, grid)(
         grad_out, head_out, gate_logits, grad_head, grad_gate,
         batch * length, length, heads, head_dim,
@@ -163,6 +166,6 @@ def mixture_of_heads_backward_triton(
         *head_out.stride(),
         *gate_logits.stride(),
         *grad_head.stride(),
-        GATE=_GATE_CODES[gate], **blocks,
+        **constexprs,
     )  # fmt: skip
     return grad_head, grad_gate

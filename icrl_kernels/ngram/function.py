@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op, fold_vmap_into_batch, inference_op
+from .._library import checked_per_signature, differentiable_op, fold_vmap_into_batch, inference_op
 from .._validation import check_choice
 from . import reference
 from .checks import ALGORITHMS, check_ids_and_n, check_ngram_attention_args, check_plan
@@ -13,18 +16,40 @@ from .eager import ngram_backward_eager, ngram_forward_eager
 from .plan import NGramPlan, build_ngram_plan
 
 
-# -- the plan (sort) ------------------------------------------------------------------------------
-def _ngram_plan(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The plan's tensors: from the Triton plan kernels when ``use_kernels`` (the Triton backend: five
-    launches instead of ~40, :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
-    if use_kernels:
-        from .plan_kernels import build_ngram_plan_triton  # needs triton: imported only here
+@functools.cache
+def _kernels() -> ModuleType:
+    """The sort path's Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
 
-        return build_ngram_plan_triton(ids, n)
+    return kernels
+
+
+@functools.cache
+def _plan_kernels() -> ModuleType:
+    """The plan's Triton kernels."""
+    from . import plan_kernels
+
+    return plan_kernels
+
+
+@functools.cache
+def _tiled_kernels() -> ModuleType:
+    """The tiled kernels."""
+    from . import tiled_kernels
+
+    return tiled_kernels
+
+
+# -- the plan (sort) ------------------------------------------------------------------------------
+def _ngram_plan(ids: torch.Tensor, n: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's tensors: from the Triton plan kernels on the Triton backend (five launches instead of ~40,
+    :mod:`.plan_kernels`), else from :func:`build_ngram_plan`. Identical values."""
+    if impl == "triton":
+        return _plan_kernels().build_ngram_plan_triton(ids, n)
     return tuple(build_ngram_plan(ids, n))
 
 
-def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ngram_plan_fake(ids: torch.Tensor, n: int, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         ids.new_empty(ids.shape, dtype=torch.int64),
         ids.new_empty(ids.shape, dtype=torch.uint8),
@@ -32,7 +57,10 @@ def _ngram_plan_fake(ids: torch.Tensor, n: int, use_kernels: bool) -> tuple[torc
     )
 
 
-_ngram_plan_op = fold_vmap_into_batch(inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake))
+# The Triton plan is traceable (kernels and sorts, no host read): torch.compile sees its kernels.
+_ngram_plan_op = fold_vmap_into_batch(
+    inference_op("ngram_plan", _ngram_plan, fake=_ngram_plan_fake, traceable=("triton",))
+)
 
 
 def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
@@ -43,16 +71,14 @@ def ngram_plan(ids: torch.Tensor, n: int) -> NGramPlan:
     """
     original_ids = ids
     ids, n = check_ids_and_n(ids, n)
-    use_kernels = resolve_backend("auto", ids.device) == "triton"
-    return NGramPlan(*_ngram_plan_op(ids, n, use_kernels), ids=original_ids, n=n)
+    impl = "triton" if resolve_backend("auto", ids.device) == "triton" else "eager"
+    return NGramPlan(*_ngram_plan_op(ids, n, impl), ids=original_ids, n=n)
 
 
 # -- the sort path's op -----------------------------------------------------------------------------
 def _forward(h: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
-        from .kernels import ngram_forward_triton
-
-        return ngram_forward_triton(h, perm, meta, count)
+        return _kernels().ngram_forward_triton(h, perm, meta, count)
     return ngram_forward_eager(h, perm, meta, count)
 
 
@@ -64,9 +90,7 @@ def _backward(
     grad_out: torch.Tensor, perm: torch.Tensor, meta: torch.Tensor, count: torch.Tensor, impl: str
 ) -> torch.Tensor:
     if impl == "triton":
-        from .kernels import ngram_backward_triton
-
-        return ngram_backward_triton(grad_out, perm, meta, count)
+        return _kernels().ngram_backward_triton(grad_out, perm, meta, count)
     return ngram_backward_eager(grad_out, perm, meta, count)
 
 
@@ -81,15 +105,15 @@ ngram_attention_op, ngram_attention_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs[1:],  # (perm, meta, count, impl)
+    saved_tensors=3,
     grad_inputs=(0,),
+    traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
 fold_vmap_into_batch(ngram_attention_op)
 
 
 def _tiled_forward(h: torch.Tensor, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .tiled_kernels import ngram_tiled_forward_triton
-
-    return ngram_tiled_forward_triton(h, ids, n)
+    return _tiled_kernels().ngram_tiled_forward_triton(h, ids, n)
 
 
 def _tiled_forward_fake(h, ids, n):
@@ -97,9 +121,7 @@ def _tiled_forward_fake(h, ids, n):
 
 
 def _tiled_backward(grad_out: torch.Tensor, ids: torch.Tensor, count: torch.Tensor, n: int) -> torch.Tensor:
-    from .tiled_kernels import ngram_tiled_backward_triton
-
-    return ngram_tiled_backward_triton(grad_out, ids, count, n)
+    return _tiled_kernels().ngram_tiled_backward_triton(grad_out, ids, count, n)
 
 
 def _tiled_backward_fake(grad_out, ids, count, n):
@@ -113,8 +135,11 @@ ngram_attention_tiled_op, ngram_attention_tiled_backward_op = differentiable_op(
     backward=_tiled_backward,
     backward_fake=_tiled_backward_fake,
     save=lambda inputs, output: (inputs[1], output[1], inputs[2]),  # (ids, count, n)
+    saved_tensors=2,
     grad_inputs=(0,),
     differentiable_outputs=1,
+    traceable=True,  # Triton only: torch.compile traces into the kernels (triton_op)
+    materialize_grads=False,  # no zero gradient for the match counts, saved for the backward only
 )
 fold_vmap_into_batch(ngram_attention_tiled_op)
 
@@ -152,6 +177,17 @@ def _cpu_auto_uses_dense(h: torch.Tensor, plan: NGramPlan | None) -> bool:
         and length <= max_length
         and batch * length * length <= CPU_DENSE_MAX_PATTERN_ELEMENTS
     )
+
+
+@checked_per_signature
+def _checked_call(h: object, ids: object, n: object, backend: object, algorithm: object) -> tuple[int, str]:
+    """The argument checks (but a plan's) and the backend of a call: ``(n, impl)``."""
+    _, n = check_ngram_attention_args(h, ids, n)
+    check_choice(algorithm, "algorithm", ALGORITHMS)
+    impl = resolve_backend(backend, h.device, kernel_inputs={"h": h})
+    if algorithm == "tiled" and impl != "triton":
+        raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
+    return n, impl
 
 
 def ngram_attention(
@@ -201,13 +237,10 @@ def ngram_attention(
         ValueError: wrong ranks or shapes, empty ``ids``/``h``, ``n < 1``, devices that differ, an unknown
             ``backend`` or ``algorithm``, a ``plan`` of other ids or another ``n``.
     """
-    ids, n = check_ngram_attention_args(h, ids, n)
-    check_choice(algorithm, "algorithm", ALGORITHMS)
+    n, impl = _checked_call(h, ids, n, backend, algorithm)
+    ids = ids.long()
     if plan is not None:
         check_plan(plan, ids, n)
-    impl = resolve_backend(backend, h.device, kernel_inputs={"h": h})
-    if algorithm == "tiled" and impl != "triton":
-        raise ValueError(f"algorithm='tiled' needs the Triton backend, but backend={backend!r} resolved to {impl!r}")
     length = h.shape[1]
     # No n-gram of more than L ids fits in a row: every n > L gives the same all-zero output as L + 1,
     # so the work stays O(L) whatever n is (the tiled kernel unrolls n compares; the plan packs n ids).
@@ -222,7 +255,7 @@ def ngram_attention(
         if algorithm == "tiled":
             return ngram_attention_tiled_op(h, ids, n)[0]
     if plan is None:
-        perm, meta, count = _ngram_plan_op(ids, n, impl == "triton")
+        perm, meta, count = _ngram_plan_op(ids, n, impl)
     else:
         perm, meta, count = plan
     return ngram_attention_op(h, perm, meta, count, impl)

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import autotune, cdiv, launch, size_bucket
+from .._triton import autotune, cdiv, launch, per_signature, size_bucket
 
 # The configs that won autotune keys on an H100 (benchmarks/results/kernel-constants.md#n-gram-sort-configs);
 # the ones that never won are no longer compiled and timed.
@@ -430,12 +430,28 @@ def _ngram_backward_kernel(
 
 def _carry_buffers(batch: int, chunks: int, dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Scratch of the carry pass: ``partial [B, chunks, D]`` fp32 and ``boundary [B, chunks]`` int32
-    (a 1-element stand-in when there is a single chunk: the main kernel then never reads them)."""
+    (with a single chunk the main kernel never reads them: one 1-element fp32 stand-in, seen as both)."""
     if chunks == 1:
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(1, dtype=torch.int32, device=device)
-    partial = torch.empty((batch, chunks, dim), dtype=torch.float32, device=device)
-    boundary = torch.empty((batch, chunks), dtype=torch.int32, device=device)
+        stand_in = torch.empty(1, dtype=torch.float32, device=device)
+        return stand_in, stand_in.view(torch.int32)
+    partial = torch.empty(batch, chunks, dim, dtype=torch.float32, device=device)
+    boundary = torch.empty(batch, chunks, dtype=torch.int32, device=device)
     return partial, boundary
+
+
+@per_signature
+def _launch_config(shape: tuple[int, int, int], forced_chunk: int | None) -> tuple[int, int, tuple, object, int]:
+    """``(chunk, chunks, carry grid, main grid, size bucket)`` of the sort path's kernels for ``[B, L, D]``
+    (``forced_chunk``: :func:`forced_chunk_length`'s, part of the key)."""
+    batch, length, dim = shape
+    chunk = chunk_length(batch, length, dim)
+    chunks = cdiv(length, chunk)
+
+    def grid(meta_params):
+        return (batch * chunks, cdiv(dim, meta_params["BLOCK_D"]))
+
+    carry_grid = (batch * (chunks - 1), cdiv(dim, _CARRY_BLOCK_D))
+    return chunk, chunks, carry_grid, grid, size_bucket(batch * length)
 
 
 def ngram_forward_triton(
@@ -445,27 +461,22 @@ def ngram_forward_triton(
     (``h.dtype``). ``count`` is not read: the kernel derives match counts from ``meta``."""
     h = h.contiguous()
     perm, meta = perm.contiguous(), meta.contiguous()
-    batch, length, dim = h.shape
-    out = empty_output(h.shape, dtype=h.dtype, device=h.device)
-    chunk = chunk_length(batch, length, dim)
-    chunks = cdiv(length, chunk)
+    batch, length, dim = shape = h.shape
+    chunk, chunks, carry_grid, grid, bucket = _launch_config(shape, _forced_chunk_length)
+    out = empty_output(shape, dtype=h.dtype, device=h.device)
     partial, boundary = _carry_buffers(batch, chunks, dim, h.device)
     if chunks > 1:
-        launch(_ngram_forward_carry_kernel, (batch * (chunks - 1), cdiv(dim, _CARRY_BLOCK_D)))(
+        launch(_ngram_forward_carry_kernel, carry_grid)(
             h, perm, meta, partial, boundary,
             length, dim, chunk, chunks,
             h.stride(0), h.stride(1),
             BLOCK_L=_CARRY_BLOCK_L, BLOCK_D=_CARRY_BLOCK_D, num_warps=_CARRY_WARPS,
         )  # fmt: skip
-
-    def grid(meta_params):
-        return (batch * chunks, cdiv(dim, meta_params["BLOCK_D"]))
-
     launch(_ngram_forward_kernel, grid)(
         h, perm, meta, partial, boundary, out,
         length, dim, chunk, chunks,
         h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        size_bucket(batch * length),
+        bucket,
     )  # fmt: skip
     return out
 
@@ -476,26 +487,21 @@ def ngram_backward_triton(
     """Triton backward: ``grad_out [B, L, D]`` and a plan to the gradient w.r.t. ``h`` (``[B, L, D]``)."""
     grad_out = grad_out.contiguous()
     perm, meta, count = perm.contiguous(), meta.contiguous(), count.contiguous()
-    batch, length, dim = grad_out.shape
-    grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
-    chunk = chunk_length(batch, length, dim)
-    chunks = cdiv(length, chunk)
+    batch, length, dim = shape = grad_out.shape
+    chunk, chunks, carry_grid, grid, bucket = _launch_config(shape, _forced_chunk_length)
+    grad_h = empty_output(shape, dtype=grad_out.dtype, device=grad_out.device)
     partial, boundary = _carry_buffers(batch, chunks, dim, grad_out.device)
     if chunks > 1:
-        launch(_ngram_backward_carry_kernel, (batch * (chunks - 1), cdiv(dim, _CARRY_BLOCK_D)))(
+        launch(_ngram_backward_carry_kernel, carry_grid)(
             grad_out, perm, meta, count, partial, boundary,
             length, dim, chunk, chunks,
             grad_out.stride(0), grad_out.stride(1),
             BLOCK_L=_CARRY_BLOCK_L, BLOCK_D=_CARRY_BLOCK_D, num_warps=_CARRY_WARPS,
         )  # fmt: skip
-
-    def grid(meta_params):
-        return (batch * chunks, cdiv(dim, meta_params["BLOCK_D"]))
-
     launch(_ngram_backward_kernel, grid)(
         grad_out, perm, meta, count, partial, boundary, grad_h,
         length, dim, chunk, chunks,
         grad_out.stride(0), grad_out.stride(1), grad_h.stride(0), grad_h.stride(1),
-        size_bucket(batch * length),
+        bucket,
     )  # fmt: skip
     return grad_h

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
 from .._library import empty_output
-from .._triton import autotune, cdiv, launch, size_bucket
+from .._triton import autotune, cdiv, launch, per_signature, size_bucket
 
 # The first config of each list is the one the interpreter runs and a sensible default everywhere.
 # Chosen from offline sm_90 compiles at n = 1..4 (registers per thread; tests/test_ngram_api.py): with
@@ -207,23 +207,34 @@ def _half_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and not triton_interpreter_enabled()
 
 
+@per_signature
+def _launch_config(shape: tuple[int, int, int], dtype: torch.dtype, n: int) -> tuple[object, object, int, dict]:
+    """``(forward grid, backward grid, size bucket, constexprs)`` of the tiled kernels for ``[B, L, D]``."""
+    batch, length, dim = shape
+
+    def forward_grid(meta):
+        return (cdiv(length, meta["BLOCK_M"]), batch, cdiv(dim, meta["BLOCK_D"]))
+
+    def backward_grid(meta):
+        return (cdiv(length, meta["BLOCK_N"]), batch, cdiv(dim, meta["BLOCK_D"]))
+
+    return forward_grid, backward_grid, size_bucket(batch * length), {"N": int(n), "HALF_DOT": _half_dot(dtype)}
+
+
 def ngram_tiled_forward_triton(h: torch.Tensor, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``h [B, L, D]``, ``ids [B, L]``, ``n >= 1`` -> (output ``[B, L, D]``, match count per query ``[B, L]`` int32).
 
     ``n`` is a compile-time constant of the kernel (one compile per distinct ``n``)."""
     h, ids = h.contiguous(), ids.contiguous()
-    batch, length, dim = h.shape
-    out = empty_output(h.shape, dtype=h.dtype, device=h.device)
+    batch, length, dim = shape = h.shape
+    grid, _, bucket, constexprs = _launch_config(shape, h.dtype, n)
+    out = empty_output(shape, dtype=h.dtype, device=h.device)
     count = empty_output((batch, length), dtype=torch.int32, device=h.device)
-
-    def grid(meta):
-        return (cdiv(length, meta["BLOCK_M"]), batch, cdiv(dim, meta["BLOCK_D"]))
-
     launch(_ngram_tiled_forward_kernel, grid)(
         h, ids, out, count,
-        length, dim, size_bucket(batch * length),
+        length, dim, bucket,
         h.stride(0), h.stride(1), out.stride(0), out.stride(1),
-        N=int(n), HALF_DOT=_half_dot(h.dtype),
+        **constexprs,
     )  # fmt: skip
     return out, count
 
@@ -232,16 +243,13 @@ def ngram_tiled_backward_triton(grad_out: torch.Tensor, ids: torch.Tensor, count
     """Gradient w.r.t. ``h`` ``[B, L, D]`` from ``grad_out [B, L, D]``, ``ids [B, L]``, the forward's match
     counts ``count [B, L]`` and ``n``."""
     grad_out, ids = grad_out.contiguous(), ids.contiguous()
-    batch, length, dim = grad_out.shape
-    grad_h = empty_output(grad_out.shape, dtype=grad_out.dtype, device=grad_out.device)
-
-    def grid(meta):
-        return (cdiv(length, meta["BLOCK_N"]), batch, cdiv(dim, meta["BLOCK_D"]))
-
+    batch, length, dim = shape = grad_out.shape
+    _, grid, bucket, constexprs = _launch_config(shape, grad_out.dtype, n)
+    grad_h = empty_output(shape, dtype=grad_out.dtype, device=grad_out.device)
     launch(_ngram_tiled_backward_kernel, grid)(
         grad_out, ids, count.contiguous(), grad_h,
-        length, dim, size_bucket(batch * length),
+        length, dim, bucket,
         grad_out.stride(0), grad_out.stride(1), grad_h.stride(0), grad_h.stride(1),
-        N=int(n), HALF_DOT=_half_dot(grad_out.dtype),
+        **constexprs,
     )  # fmt: skip
     return grad_h

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import functools
+from types import ModuleType
+
 import torch
 
 from .._backend import resolve_backend
-from .._library import differentiable_op, unfold_first, vmapped_first
+from .._library import checked_per_signature, differentiable_op, unfold_first, vmapped_first
 from . import reference
 from .checks import check_smeared_keys_args
 from .eager import smeared_keys_backward_eager, smeared_keys_forward_eager
 
 
+@functools.cache
+def _kernels() -> ModuleType:
+    """The Triton kernels (they need Triton), imported on the Triton backend's first call."""
+    from . import kernels
+
+    return kernels
+
+
 def _forward(k: torch.Tensor, alpha: torch.Tensor, impl: str) -> torch.Tensor:
     if impl == "triton":
-        from .kernels import smeared_keys_forward_triton
-
-        return smeared_keys_forward_triton(k, alpha)
+        return _kernels().smeared_keys_forward_triton(k, alpha)
     return smeared_keys_forward_eager(k, alpha)
 
 
@@ -27,9 +36,7 @@ def _backward(
     grad_out: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor, impl: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if impl == "triton":
-        from .kernels import smeared_keys_backward_triton
-
-        return smeared_keys_backward_triton(grad_out, k, alpha)
+        return _kernels().smeared_keys_backward_triton(grad_out, k, alpha)
     return smeared_keys_backward_eager(grad_out, k, alpha)
 
 
@@ -44,6 +51,7 @@ smeared_keys_op, smeared_keys_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=lambda inputs, output: inputs,  # (k, alpha, impl)
+    saved_tensors=2,
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
@@ -66,6 +74,15 @@ def _smeared_keys_vmap(info, in_dims: tuple, k: torch.Tensor, alpha: torch.Tenso
 smeared_keys_op.register_vmap(_smeared_keys_vmap)
 
 
+@checked_per_signature
+def _checked_impl(k: object, alpha: object, backend: object) -> str:
+    """The argument checks and the backend of a call: ``"triton"``, ``"eager"`` or ``"reference"`` (an empty
+    batch, sequence or head too: nothing to launch)."""
+    check_smeared_keys_args(k, alpha)
+    impl = resolve_backend(backend, k.device, kernel_inputs={"k": k, "alpha": alpha})
+    return "reference" if k.numel() == 0 else impl
+
+
 def smeared_keys(k: torch.Tensor, alpha: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Smeared keys: ``k'_j = sigmoid(alpha_h) k_j + (1 - sigmoid(alpha_h)) k_{j-1}`` with ``k_{-1} = 0``.
 
@@ -84,9 +101,8 @@ def smeared_keys(k: torch.Tensor, alpha: torch.Tensor, *, backend: str = "auto")
         ``[B, H, L, Dh]`` in ``k.dtype`` (contiguous, except on the reference backend), differentiable w.r.t. ``k``
         and ``alpha``; arithmetic is fp32 whatever the input dtype (fp64 for fp64 inputs).
     """
-    check_smeared_keys_args(k, alpha)
-    impl = resolve_backend(backend, k.device, kernel_inputs={"k": k, "alpha": alpha})
-    if impl == "reference" or k.numel() == 0:  # nothing to launch for an empty batch, sequence or head
+    impl = _checked_impl(k, alpha, backend)
+    if impl == "reference":
         return reference.smeared_keys_reference(k, alpha)
     return smeared_keys_op(k, alpha, impl)
 

@@ -5,8 +5,9 @@ forward reads the tile and the tile one position earlier (the overlap comes from
 traffic is about one read of ``k`` and one write of the output) and blends them in fp32. The
 backward reads ``grad_out`` at ``j`` and ``j + 1`` and writes
 ``grad_k[j] = w * g[j] + (1 - w) * g[j + 1]``; in the same pass it reduces its tile's share of
-``sum g[j] . (k[j] - k[j - 1])`` to one fp32 number. The partials are summed per head afterwards in
-a fixed order, so the ``alpha`` gradient is deterministic (no atomics).
+``sum g[j] . (k[j] - k[j - 1])`` to one fp32 number. A third, tiny kernel (one program per head) sums a
+head's partials in a fixed order, scales the sum by ``w (1 - w)`` and writes the ``alpha`` gradient in
+``alpha``'s dtype: deterministic (no atomics), and no PyTorch op around the kernels.
 
 Block sizes come from a heuristic rather than autotuning: the op is memory-bound and a tile of about
 4096 elements already keeps loads wide, and fixed sizes fix the number of partials the backward
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .._library import empty_output
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, per_signature
 
 #: Elements per program (BLOCK_L x BLOCK_D).
 _TILE_ELEMENTS = 4096
@@ -54,14 +55,14 @@ def _load_current_and_previous(k_head, rows, cols, L, Dh, stride_kl, stride_kd):
 def _smeared_keys_forward_kernel(
     k_ptr, alpha_ptr, out_ptr,
     H, L, Dh,
-    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_kb, stride_kh, stride_kl, stride_kd, stride_a,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     batch_head = tl.program_id(0).to(tl.int64)
     batch, head = batch_head // H, batch_head % H
     rows = tl.program_id(1).to(tl.int64) * BLOCK_L + tl.arange(0, BLOCK_L)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    weight = tl.sigmoid(tl.load(alpha_ptr + head).to(tl.float32))
+    weight = tl.sigmoid(tl.load(alpha_ptr + head * stride_a).to(tl.float32))
     k_head = k_ptr + batch * stride_kb + head * stride_kh
     current, previous = _load_current_and_previous(k_head, rows, cols, L, Dh, stride_kl, stride_kd)
     smeared = weight * current + (1.0 - weight) * previous
@@ -78,7 +79,7 @@ def _smeared_keys_backward_kernel(
     grad_out_ptr, k_ptr, alpha_ptr, grad_k_ptr, partial_ptr,
     H, L, Dh,
     stride_gb, stride_gh, stride_gl, stride_gd,
-    stride_kb, stride_kh, stride_kl, stride_kd,
+    stride_kb, stride_kh, stride_kl, stride_kd, stride_a,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     batch_head = tl.program_id(0).to(tl.int64)
@@ -88,7 +89,7 @@ def _smeared_keys_backward_kernel(
     cols = col_block * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = rows < L
     col_ok = cols < Dh
-    weight = tl.sigmoid(tl.load(alpha_ptr + head).to(tl.float32))
+    weight = tl.sigmoid(tl.load(alpha_ptr + head * stride_a).to(tl.float32))
 
     # Key j feeds outputs j (weight w) and j + 1 (weight 1 - w).
     grad_head = grad_out_ptr + batch * stride_gb + head * stride_gh
@@ -110,21 +111,48 @@ def _smeared_keys_backward_kernel(
     tl.store(partial_ptr + partial_index, partial)
 
 
-def _grid(k: torch.Tensor, block_l: int, block_d: int) -> tuple[int, int, int]:
-    batch, heads, length, head_dim = k.shape
-    return batch * heads, cdiv(length, block_l), cdiv(head_dim, block_d)
+@triton.jit
+def _smeared_keys_alpha_grad_kernel(
+    partial_ptr, alpha_ptr, grad_alpha_ptr,
+    B, H, P, stride_a,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """``grad_alpha[h] = w (1 - w) sum_{b, p} partial[b, h, p]`` (``partial`` ``[B, H, P]`` contiguous fp32),
+    summed in a fixed order; one program per head."""
+    head = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK_P)
+    total = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    row = partial_ptr + head.to(tl.int64) * P  # a 64-bit pointer stepped one batch entry (H rows) at a time
+    for _ in range(0, B):
+        for start in range(0, P, BLOCK_P):
+            total += tl.load(row + start + offsets, mask=start + offsets < P, other=0.0)
+        row += H * P
+    weight = tl.sigmoid(tl.load(alpha_ptr + head * stride_a).to(tl.float32))
+    grad = tl.sum(total, axis=0) * weight * (1.0 - weight)
+    tl.store(grad_alpha_ptr + head, grad.to(grad_alpha_ptr.dtype.element_ty))
+
+
+@per_signature
+def _launch_config(shape: tuple[int, int, int, int]) -> tuple[tuple[int, int, int], dict, int, int]:
+    """``(grid, constexprs, partials per (batch, head), BLOCK_P of the alpha-gradient kernel)`` for keys
+    of ``shape``."""
+    batch, heads, length, head_dim = shape
+    block_l, block_d = block_sizes(head_dim)
+    grid = (batch * heads, cdiv(length, block_l), cdiv(head_dim, block_d))
+    partials = grid[1] * grid[2]
+    return grid, {"BLOCK_L": block_l, "BLOCK_D": block_d}, partials, min(1024, next_power_of_2(partials))
 
 
 def smeared_keys_forward_triton(k: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Triton forward: ``k [B, H, L, Dh]`` (any strides), ``alpha [H]`` -> contiguous ``k.dtype`` output."""
-    _, heads, length, head_dim = k.shape
-    out = empty_output(k.shape, dtype=k.dtype, device=k.device)
-    block_l, block_d = block_sizes(head_dim)
-    launch(_smeared_keys_forward_kernel, _grid(k, block_l, block_d))(
-        k, alpha.contiguous(), out,
+    _, heads, length, head_dim = shape = k.shape
+    grid, blocks, _, _ = _launch_config(shape)
+    out = empty_output(shape, dtype=k.dtype, device=k.device)
+    launch(_smeared_keys_forward_kernel, grid)(
+        k, alpha, out,
         heads, length, head_dim,
-        *k.stride(),
-        BLOCK_L=block_l, BLOCK_D=block_d,
+        *k.stride(), alpha.stride(0),
+        **blocks,
     )  # fmt: skip
     return out
 
@@ -133,21 +161,23 @@ def smeared_keys_backward_triton(
     grad_out: torch.Tensor, k: torch.Tensor, alpha: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton backward: gradients w.r.t. ``k`` (contiguous, ``k.dtype``) and ``alpha`` (``alpha.dtype``)."""
-    batch, heads, length, head_dim = k.shape
-    grad_k = empty_output(k.shape, dtype=k.dtype, device=k.device)
-    block_l, block_d = block_sizes(head_dim)
-    grid = _grid(k, block_l, block_d)
-    # One slot per program, summed below in a fixed order. Poisoned under test like any output, so a
-    # program that skipped its slot turns the alpha gradient into NaN.
-    partials = empty_output(grid, dtype=torch.float32, device=k.device)
-    alpha = alpha.contiguous()
+    batch, heads, length, head_dim = shape = k.shape
+    grid, blocks, partials, block_p = _launch_config(shape)
+    device = k.device
+    grad_k = empty_output(shape, dtype=k.dtype, device=device)
+    # One slot per program, summed by the alpha-gradient kernel in a fixed order. Poisoned under test like
+    # any output, so a program that skipped its slot turns the alpha gradient into NaN.
+    partial = empty_output(grid, dtype=torch.float32, device=device)
+    grad_alpha = empty_output((heads,), dtype=alpha.dtype, device=device)
+    alpha_stride = alpha.stride(0)
     launch(_smeared_keys_backward_kernel, grid)(
-        grad_out, k, alpha, grad_k, partials,
+        grad_out, k, alpha, grad_k, partial,
         heads, length, head_dim,
         *grad_out.stride(),
-        *k.stride(),
-        BLOCK_L=block_l, BLOCK_D=block_d,
+        *k.stride(), alpha_stride,
+        **blocks,
     )  # fmt: skip
-    weight = torch.sigmoid(alpha.float())
-    grad_alpha = partials.view(batch, heads, -1).sum(dim=(0, 2)) * weight * (1 - weight)
-    return grad_k, grad_alpha.to(alpha.dtype)
+    launch(_smeared_keys_alpha_grad_kernel, (heads,))(
+        partial, alpha, grad_alpha, batch, heads, partials, alpha_stride, BLOCK_P=block_p
+    )
+    return grad_k, grad_alpha

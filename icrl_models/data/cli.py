@@ -5,6 +5,7 @@ Examples::
     icrl-data generate --env dark_room --num-histories 1000 --output data/dark_room-train.icrl
     icrl-data generate --env key_to_door --num-tasks 100 --num-histories 750 --episode-length 40 -o k2d.icrl
     icrl-data generate --env bernoulli_bandit --split test --distribution mirrored -o bandit-mirrored.icrl
+    icrl-data generate --gym FrozenLake-v1 --tasks tasks.json --num-histories 500 -o frozen-lake.icrl
     icrl-data info data/dark_room-train.icrl
     icrl-data export data/dark_room-train.icrl dark_room-train.npz     # or .h5 (needs h5py)
     icrl-data import dark_room-train.h5 data/dark_room-train.icrl
@@ -41,7 +42,10 @@ def learning_summary(histories: LearningHistories) -> dict[str, float]:
             "first_return": float(np.nanmean(returns[:, :tenth])),
             "last_return": float(np.nanmean(returns[:, -tenth:])),
             "optimal_return": float(optimal.mean()),
-            "last_fraction_of_optimal": float(np.nanmean(returns[:, -tenth:].mean(axis=1) / optimal)),
+            # NaN where no task knows its optimal return (a gymnasium environment without a model)
+            "last_fraction_of_optimal": float(np.nanmean(returns[:, -tenth:].mean(axis=1) / optimal))
+            if np.isfinite(optimal).any()
+            else float("nan"),
         }
     rewards = np.asarray(histories.rewards, dtype=np.float64)
     tenth = max(1, histories.max_length // 10)
@@ -73,12 +77,19 @@ def plot_learning_curve(histories: LearningHistories, path: str) -> None:
     )
 
 
+def _task_counts(tasks: list[dict]) -> str:
+    """``80 training, 20 held out`` from a gymnasium dataset's task list (``metadata["tasks"]``)."""
+    held_out = sum(task.get("split") == "test" for task in tasks)
+    return f"{len(tasks) - held_out} training, {held_out} held out (recorded in the metadata)"
+
+
 def _describe(histories: LearningHistories) -> str:
     meta = histories.metadata
     lines = [
         f"env          {meta['env']['name']} {json.dumps(meta['env']['config'])}",
         f"generator    {meta['generator']['name']} {json.dumps(meta['generator']['config'])}",
         f"split        {meta['split']} (seed {meta['seed']})",
+        *([f"tasks        {_task_counts(meta['tasks'])}"] if "tasks" in meta else []),
         f"histories    {histories.num_histories} x {meta['num_episodes']} episodes, "
         f"{histories.num_transitions:,} transitions, {np.unique(histories.task_ids).size} distinct tasks",
     ]

@@ -12,6 +12,10 @@
 
 Task splits: :func:`grid_task_split`, :func:`composite_action_sets`, :func:`bernoulli_arm_means`,
 :func:`contextual_bandit_arms`. Oracles: ``optimal_returns()`` and ``optimal_actions()`` on every env.
+
+Any discrete gymnasium environment: :class:`GymEnv` (one environment per task, a task being keyword arguments
+for ``gymnasium.make``) and its task lists, :func:`load_tasks` (docs/gymnasium.md). gymnasium is imported only
+when a :class:`GymEnv` is made.
 """
 
 from .bandits import (
@@ -34,8 +38,17 @@ from .cue_corridor import CueCorridor
 from .dark_room import DarkRoom
 from .grid import MOVE_NAMES, centre_cell
 from .gym import GYM_IDS, SingleEnv, register_gymnasium_envs
+from .gym_adapter import (
+    GymEnv,
+    GymEnvError,
+    MissingGymnasiumError,
+    TaskConstructionError,
+    UnknownEnvError,
+    UnsupportedSpaceError,
+)
 from .key_to_door import KeyToDoor
 from .splits import DEFAULT_NUM_TRAIN_TASKS, grid_task_split, task_split
+from .tasks import GymTask, TaskError, TaskSplit, load_tasks
 from .visible_goal_dark_room import VisibleGoalDarkRoom
 
 register_gymnasium_envs()
@@ -53,9 +66,18 @@ __all__ = [
     "ContextualBandit",
     "CueCorridor",
     "DarkRoom",
+    "GymEnv",
+    "GymEnvError",
+    "GymTask",
     "KeyToDoor",
+    "MissingGymnasiumError",
     "SingleEnv",
     "StepResult",
+    "TaskConstructionError",
+    "TaskError",
+    "TaskSplit",
+    "UnknownEnvError",
+    "UnsupportedSpaceError",
     "VisibleGoalDarkRoom",
     "action_moves",
     "action_name",
@@ -64,6 +86,7 @@ __all__ = [
     "composite_action_sets",
     "contextual_bandit_arms",
     "grid_task_split",
+    "load_tasks",
     "register_gymnasium_envs",
     "task_split",
 ]

@@ -23,9 +23,12 @@ each with its own histories). How a model samples decides its score (the ablatio
 temperature loses Headless-AD its score on many arms), so each model's sampling temperature is chosen from a
 grid (``--select-temperatures``, fractions of its training temperature: tau for Headless-AD, 1 for AD's
 softmax) on selection seeds (``--selection-seeds``: evaluation bandits used for nothing else), by the mean
-score over its training seeds, selection seeds and evaluation sets. The table reports each model at its chosen
-temperature on disjoint report seeds (``--report-seeds``): per training seed the mean over report seeds, then
-mean ± sd over training seeds. Arm counts inside the training range (4-20) are "seen", the others "unseen".
+score over its training seeds, selection seeds and the *seen* evaluation sets only (:func:`selection_sets`: arm
+counts inside the training range 4-20, Darkroom's training action sets), so that the unseen sets, where the
+claim is generalisation, play no part in the choice. The table reports each model at its chosen temperature on
+disjoint report seeds (``--report-seeds``), every set on its own row: per training seed the mean over report
+seeds, then mean ± sd over training seeds. Arm counts inside the training range (4-20) are "seen", the others
+"unseen".
 
 Presets: ``cpu`` (default) fits a 2-core laptop in minutes per model; ``paper`` uses the paper's
 Tables 3-4 (our choice of steps and batch size: the tables do not give them) and wants a GPU.
@@ -195,7 +198,7 @@ class HeadlessExperimentConfig(SweepOptions):
     out_dir: str = dataclasses.field(default="runs/headless", metadata={"help": "output folder"})
     seed: int = dataclasses.field(default=0, metadata={"help": "ablations: the training seed"})
     training_seeds: tuple[int, ...] = dataclasses.field(
-        default=(0, 1, 2),
+        default=(0, 1, 2, 3, 4),
         metadata={"help": "training seeds (histories, initialisation, batches): one run per model and seed"},
     )
     selection_seeds: tuple[int, ...] = dataclasses.field(
@@ -229,7 +232,11 @@ class HeadlessExperimentConfig(SweepOptions):
         },
     )
     eval_seeds: tuple[int, ...] = dataclasses.field(
-        default=(1, 2, 3), metadata={"help": "ablations: evaluation seeds (each a fresh set of --eval-tasks bandits)"}
+        default=(1, 2),  # the selection seeds: the ablations choose, so they stay off the report seeds
+        metadata={
+            "help": "ablations: evaluation seeds (each a fresh set of --eval-tasks bandits; default: the "
+            "selection seeds, disjoint from the report seeds)"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -323,12 +330,14 @@ def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> di
         for seed in config.training_seeds
     }
     grid = [float(fraction) for fraction in config.select_temperatures]
+    chosen_on = selection_sets(config.experiment)
     results: dict = {
         "config": dataclasses.asdict(config),
         "training_seeds": list(config.training_seeds),
         "selection_seeds": list(config.selection_seeds),
         "report_seeds": list(config.report_seeds),
         "temperature_grid": grid,
+        "selection_sets": chosen_on,
         "models": {},
     }
     batched_cpu = _train_batches(config, runs)  # --batch-runs: each model's training seeds as batched models
@@ -336,8 +345,8 @@ def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> di
         evaluations = {}
         for seed, configs in runs.items():  # train, and score every temperature on the selection seeds
             train_config = configs[name]
-            count = len(EVAL_SETS[config.experiment]) * (
-                len(grid) * len(config.selection_seeds) + len(config.report_seeds)
+            count = len(chosen_on) * len(grid) * len(config.selection_seeds) + len(EVAL_SETS[config.experiment]) * len(
+                config.report_seeds
             )
             print_cpu_estimate(f"{name}, training seed {seed} (training and up to {count} evaluations)",
                                train_run_cpu_seconds(train_config, evaluations=count + 1), device=device)  # fmt: skip
@@ -346,12 +355,13 @@ def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> di
             train_cpu = batched_cpu.get((name, seed), time.process_time() - train_start)
             evaluations[seed] = RunEvaluations(config.experiment, train_config, device, train_cpu_seconds=train_cpu)
             for fraction in grid:
-                evaluations[seed].scores(fraction, config.selection_seeds)
+                evaluations[seed].scores(fraction, config.selection_seeds, chosen_on)
         selection = {
             fraction: float(np.mean([
                 _metric(summary, config.experiment)
                 for run in evaluations.values()
-                for summaries in run.scores(fraction, config.selection_seeds).values() if summaries is not None
+                for summaries in run.scores(fraction, config.selection_seeds, chosen_on).values()
+                if summaries is not None
                 for summary in summaries
             ]))
             for fraction in grid
@@ -384,15 +394,17 @@ class RunEvaluations:
         self.train_cpu_seconds, self.cpu_seconds = train_cpu_seconds, 0.0
         self._loaded: tuple | None = None  # (select_tau, model, histories)
 
-    def scores(self, fraction: float, seeds) -> dict[str, list[dict] | None]:
-        """``{set name: [summary per seed] or None}`` at ``fraction`` x the training temperature (None: AD's
-        head is narrower than the set's actions, so it cannot act there without retraining)."""
+    def scores(self, fraction: float, seeds, set_names=None) -> dict[str, list[dict] | None]:
+        """``{set name: [summary per seed] or None}`` at ``fraction`` x the training temperature, on the
+        evaluation sets named in ``set_names`` (default: all of them); None: AD's head is narrower than the set's
+        actions, so it cannot act there without retraining."""
         select_tau = fraction * _training_temperature(self.train_config)
         return {
             set_name: self._set_scores(
                 dataclasses.replace(self.train_config, select_tau=select_tau, **overrides), seeds
             )
             for set_name, overrides in EVAL_SETS[self.experiment]
+            if set_names is None or set_name in set_names
         }
 
     def _set_scores(self, scored: TrainConfig, seeds) -> list[dict] | None:
@@ -586,6 +598,20 @@ def _arms_seen(experiment: str, overrides: dict) -> str:
     return "seen" if 4 <= int(low) and int(high or low) <= 20 else "unseen"
 
 
+#: Darkroom-125's evaluation sets made of the training actions (the others hold test actions).
+DARKROOM_SEEN_SETS = ("train", "permuted train")
+
+
+def selection_sets(experiment: str) -> list[str]:
+    """The evaluation sets a sampling temperature is chosen on: the seen ones only (bandits: arm counts inside
+    the training range; Darkroom: the training actions), so that no unseen set informs the choice."""
+    return [
+        set_name
+        for set_name, overrides in EVAL_SETS[experiment]
+        if (set_name in DARKROOM_SEEN_SETS if experiment == "darkroom" else _arms_seen(experiment, overrides) == "seen")
+    ]
+
+
 def results_table(results: dict) -> str:
     """Markdown: one row per evaluation set, one column per model at its chosen temperature (mean ± sd over
     training seeds of each seed's mean over the report seeds), then reward use, the selection and CPU times."""
@@ -602,8 +628,9 @@ def results_table(results: dict) -> str:
         f"{metric}: mean ± sd over training seeds {_listed(results['training_seeds'])} of each seed's mean over "
         f"report seeds {_listed(results['report_seeds'])} ({config['eval_tasks']} tasks each); each model samples at "
         f"the temperature it scored best at on selection seeds {_listed(results['selection_seeds'])} (mean over "
-        f"training seeds, selection seeds and evaluation sets), from {_listed(results['temperature_grid'])} x its "
-        "training temperature (tau for Headless-AD, 1 for AD's softmax). Arms seen: inside the training range.",
+        f"training seeds, selection seeds and the {_chosen_on(results)}), from "
+        f"{_listed(results['temperature_grid'])} x its training temperature (tau for Headless-AD, 1 for AD's "
+        "softmax). Arms seen: inside the training range.",
         "",
         f"| evaluation set | arms | {' | '.join(f'{name} ({temperature(name)})' for name in names)} |",
         "|---|---|" + "---|" * len(names),
@@ -626,6 +653,13 @@ def results_table(results: dict) -> str:
         cells.append(" / ".join(f"{run['train_cpu_seconds']:.0f} + {run['eval_cpu_seconds']:.0f}" for run in runs))
     lines.append(f"| CPU s per training seed (training + evaluations run here) | | {' | '.join(cells)} |")
     return "\n".join(lines)
+
+
+def _chosen_on(results: dict) -> str:
+    """Which evaluation sets chose the temperature, in words (files written before the seen-sets-only rule
+    chose on every set)."""
+    names = results.get("selection_sets")
+    return "evaluation sets" if names is None else f"seen evaluation sets only: {', '.join(names)}"
 
 
 def _listed(values) -> str:

@@ -578,7 +578,7 @@ class MarkovRun(ReadingRun):
     def prepare(self) -> None:
         super().prepare()
         config, task = self.config, self.task
-        self.start = time.perf_counter()
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
         data_seed = task.data_seed(self.seed)
         self.histories, self.data_returns, self.best = task_data(task, config, data_seed)
         self.windows = TrajectoryWindows(self.histories, self.k)
@@ -703,6 +703,8 @@ class MarkovRun(ReadingRun):
             "skipped_steps": skipped,
             "train_seconds": train_seconds,
             "wall_seconds": time.perf_counter() - self.start,
+            # Kept with the run: a rerun that reuses it still reports it (a batch's runs: their shares, below).
+            "cpu_seconds": time.process_time() - self.cpu_start,
         }
 
 
@@ -826,8 +828,11 @@ def run_markov_batch(batch: TrialBatch) -> dict:
     trials = batch.trials
 
     def run(indices: list[int]) -> list[dict]:
+        start = time.process_time()
         runs = [trials[index].run() for index in indices]
         results = train_runs(runs, batched=True)
+        for result in results:  # the batch's process time, shared among its runs
+            result["cpu_seconds"] = (time.process_time() - start) / len(results)
         configs = [_shared_backbone(trials[index].config, trials[index].seed)[0] for index in indices]
         return [{"result": result, "model_config": dt_config_dict(model_config)}
                 for result, model_config in zip(results, configs)]  # fmt: skip

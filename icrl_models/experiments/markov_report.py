@@ -172,6 +172,23 @@ def _listed(values) -> str:
     return ",".join(str(value) for value in values)
 
 
+def run_times(report: dict) -> str:
+    """The invocation's wall and CPU time, and the runs' own CPU time as each run recorded it when it trained
+    (an invocation that reuses finished runs costs little itself; runs from before the record say so)."""
+    results = report["results"]
+    recorded = [r["cpu_seconds"] for r in results if "cpu_seconds" in r]
+    runs = (
+        f"the {len(results)} runs' own CPU time, recorded when each trained: {sum(recorded):.0f} s"
+        if len(recorded) == len(results)
+        else f"{len(results) - len(recorded)} of the {len(results)} runs trained before runs recorded their CPU time"
+        + (f" (the other {len(recorded)}: {sum(recorded):.0f} s)" if recorded else "")
+    )
+    return (
+        f"This invocation: wall time {report['wall_seconds']:.0f} s, process CPU time {report['cpu_seconds']:.0f} s "
+        f"({report['device']}, {report['torch_threads']} torch threads); {runs}."
+    )
+
+
 def format_tables(report: dict) -> str:
     """Markdown: for the grid-world tasks, returns and G_Markov per task (mean ± sd over seeds), gate weight,
     importance and Markov ratio per head, and G_Markov against k when several k were run; for the cue
@@ -186,9 +203,7 @@ def format_tables(report: dict) -> str:
         "",
         f"Model: {model['n_layer']} layers x {model['n_head']} heads x {model['n_embd']}, MoA ({config['gate']}) "
         f"in layers {_listed(config['moa_layers'])}; {backbone}; {config['steps']} steps per run; seeds {seeds} "
-        "(mean ± sd over seeds). Wall time "
-        f"{report['wall_seconds']:.0f} s, process CPU time {report['cpu_seconds']:.0f} s ({report['device']}, "
-        f"{report['torch_threads']} torch threads).",
+        f"(mean ± sd over seeds). {run_times(report)}",
     ]
     grid = grid_view(report)
     if grid["results"]:
