@@ -15,7 +15,14 @@ from typing import Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature, compute_dtype, differentiable_op, first_tensor, unfold_first, vmapped_first
+from .._library import (
+    checked_per_signature,
+    compute_dtype,
+    differentiable_op,
+    first_tensor,
+    unfold_first,
+    vmapped_first,
+)
 from . import reference
 from .checks import check_inject_layer_norm_args
 from .eager import inject_layer_norm_backward_eager, inject_layer_norm_forward_eager
