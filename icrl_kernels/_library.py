@@ -313,29 +313,40 @@ def fold_vmap_into_batch(op: Any) -> Any:
     """Let ``torch.func.vmap`` run ``op`` as one call with the vmapped dimension folded into the batch.
 
     For ops whose every tensor argument and output has a leading batch dimension ``B`` whose rows are
-    independent (the n-gram ops: one sequence per row). Under ``vmap`` over ``K`` slices, each tensor
-    argument becomes ``[K * B, ...]`` (an argument that is not vmapped is repeated for every slice), the op
-    runs once, and each output is split back into ``[K, B, ...]``: one launch for ``K`` models' sequences,
-    which is how many runs train as one batched program (:mod:`icrl_models.batched`). Only the forward
-    op needs the rule: a backward runs outside ``vmap``, on the folded tensors autograd saved. Returns ``op``.
+    independent (the n-gram ops: one sequence per row; the MoA gating: one token per row). Under ``vmap`` over
+    ``K`` slices, each tensor argument becomes ``[K * B, ...]`` (an argument that is not vmapped is repeated for
+    every slice), the op runs once, and each output is split back into ``[K, B, ...]``: one launch for ``K``
+    models' sequences, which is how many runs train as one batched program (:mod:`icrl_models.batched`). Only
+    the forward op needs the rule: a backward runs outside ``vmap``, on the folded tensors autograd saved.
+    Returns ``op``. (Ops with per-slice parameters, whose rows cannot simply stack, write their own rule with
+    :func:`vmapped_first` and :func:`unfold_first`.)
     """
 
     def rule(info: Any, in_dims: tuple, *args: Any) -> tuple[Any, Any]:
         size = info.batch_size
-        folded = []
-        for arg, dim in zip(args, in_dims):
-            if isinstance(arg, torch.Tensor):
-                arg = arg.movedim(dim, 0) if dim is not None else arg.expand(size, *arg.shape)
-                arg = arg.reshape(size * arg.shape[1], *arg.shape[2:])
-            folded.append(arg)
-        output = op(*folded)
-        split = [t.reshape(size, t.shape[0] // size, *t.shape[1:]) for t in _as_tuple(output)]
-        if isinstance(output, tuple):
-            return tuple(split), (0,) * len(split)
-        return split[0], 0
+        folded = [
+            vmapped_first(arg, dim, size).flatten(0, 1) if isinstance(arg, torch.Tensor) else arg
+            for arg, dim in zip(args, in_dims)
+        ]
+        return unfold_first(op(*folded), size)
 
     op.register_vmap(rule)
     return op
+
+
+def vmapped_first(value: torch.Tensor, dim: int | None, size: int) -> torch.Tensor:
+    """An argument of a vmap rule with its vmapped dimension first, ``[size, ...]`` (a view; an argument that is
+    not vmapped, ``dim`` None, is expanded to every slice)."""
+    return value.movedim(dim, 0) if dim is not None else value.expand(size, *value.shape)
+
+
+def unfold_first(output: Any, size: int) -> tuple[Any, Any]:
+    """A vmap rule's return value for an op output (a tensor or a tuple of tensors) whose leading dimension holds
+    ``size`` slices one after the other: each tensor viewed as ``[size, rows, ...]``, and the out_dims (0)."""
+    split = [t.unflatten(0, (size, t.shape[0] // size)) for t in _as_tuple(output)]
+    if isinstance(output, tuple):
+        return tuple(split), (0,) * len(split)
+    return split[0], 0
 
 
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -38,8 +38,15 @@ from torch import nn
 from icrl_kernels import LoopedBlock, device_side_value_checks
 from icrl_kernels.validation import check_device
 
-if TYPE_CHECKING:
-    from .nonfinite import NonFiniteGuard
+
+class StepWatcher(Protocol):
+    """What :class:`StepRunner` needs of a watcher of every step (:class:`~icrl_models.nonfinite.NonFiniteGuard`,
+    which imports this module, not the other way round): the step wrapped, and the device tensors that the
+    wrapped step updates in place (restored after a capture's warm-up steps)."""
+
+    def watch(self, step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]: ...
+
+    def state_tensors(self) -> list[torch.Tensor]: ...
 
 
 #: ``--cuda-graph`` of every trainer: ``"auto"`` (the default) graphs the training steps on CUDA devices where
@@ -334,11 +341,13 @@ def to_device(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[s
 
 
 class StepRunner:
-    """Runs a training step ``step(batch) -> tensor`` on dict batches (CPU tensors, see :func:`pinned`, or
+    """Runs a training step ``step(batch, *static) -> tensor`` on dict batches (CPU tensors, see :func:`pinned`, or
     device tensors): eagerly, or with ``cuda_graph=True`` on a CUDA ``device`` captured on the first batch
-    (:func:`capture_train_step`) and replayed on every later one, whose tensors must keep the first batch's
-    names and shapes. ``step`` gets the batch on ``device`` and must return a device tensor (the loss, or
-    a few statistics), read on the host only when the caller asks.
+    (:func:`capture_train_step`) and replayed on every later one. ``static``: host-side values that shape the
+    step (the looped transformer's loop counts); a batch of other tensor names or shapes, or other ``static``
+    values, is captured anew (the previous graph dropped first: a curriculum stage at a time). ``step`` gets the
+    batch on ``device`` and must return a device tensor (the loss, or a few statistics), read on the host only
+    when the caller asks.
 
     A graphed runner needs ``optimizer`` made capturable first (:func:`prepare_capturable`). ``generators``:
     non-default CUDA generators the step draws from (see :func:`capture_train_step`). With ``guard`` (a
@@ -351,7 +360,7 @@ class StepRunner:
 
     def __init__(
         self,
-        step: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+        step: Callable[..., torch.Tensor],
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
@@ -359,7 +368,7 @@ class StepRunner:
         cuda_graph: bool = False,
         fallback: bool = False,
         generators: Sequence[torch.Generator] = (),
-        guard: NonFiniteGuard | None = None,
+        guard: StepWatcher | None = None,
     ) -> None:
         self.step = guard.watch(step) if guard is not None else step
         self.model, self.optimizer, self.device = model, optimizer, check_device(device)
@@ -370,17 +379,20 @@ class StepRunner:
         self.captured: GraphedTrainStep | None = None
         self.failure: CaptureError | None = None
         self.names: tuple[str, ...] = ()
+        self.key: tuple | None = None
 
-    def __call__(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def __call__(self, batch: Mapping[str, torch.Tensor], *static) -> torch.Tensor:
         if not self.graphed:
-            return self.step(to_device(batch, self.device))
+            return self.step(to_device(batch, self.device), *static)
         if self.failure is not None:
             raise self.failure
-        if self.captured is None:
-            self.names = tuple(batch)
+        key = (static, tuple((name, tuple(value.shape)) for name, value in batch.items()))
+        if self.captured is None or key != self.key:
+            self.captured = None  # the previous graph's memory goes back to the pool before the next capture
+            self.names, self.key = tuple(batch), key
 
             def named_step(*tensors: torch.Tensor) -> torch.Tensor:
-                return self.step(dict(zip(self.names, tensors)))
+                return self.step(dict(zip(self.names, tensors)), *static)
 
             example = list(to_device(batch, self.device).values())
             try:
@@ -392,11 +404,9 @@ class StepRunner:
                 if self.fallback:  # --cuda-graph auto: nothing was changed by the attempt; go on eagerly
                     print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
                     self.graphed = False
-                    return self.step(to_device(batch, self.device))
+                    return self.step(to_device(batch, self.device), *static)
                 self.failure = CaptureError(f"cuda_graph: {error}; train without the CUDA graph (--cuda-graph off)")
                 raise self.failure from error
-        if tuple(batch) != self.names:
-            raise ValueError(f"batch must hold the captured tensors {self.names}, got {tuple(batch)}")
         return self.captured(*batch.values())  # copies the batch into the graph's inputs and replays
 
 

@@ -134,6 +134,7 @@ class NonFiniteGuard:
         self.checkpoint: tuple[str, int] | None = None
         self.checkpoints: dict[int, tuple[str, int]] = {}  # per run, with runs
         self._reported_by_run: dict[int, int] = {}
+        self._counted: dict[int | None, int] = {}
         self._reported_skips = 0
         self._backups: dict[tuple, torch.Tensor] = {}
 
@@ -231,6 +232,7 @@ class NonFiniteGuard:
             [self.first_step.double(), *self.first_values.double(), self.bad_steps.double()]
         ).tolist()
         skipped = int(bad_steps)
+        self._counted = {None: skipped}
         if skipped == 0:
             return 0
         if self.policy == "stop":
@@ -244,11 +246,16 @@ class NonFiniteGuard:
             self._reported_skips = skipped
         return skipped
 
+    def skipped(self, run: int | None = None) -> int:
+        """The non-finite steps of run ``run`` (None: of the one run) as of the last :meth:`check`; no host read."""
+        return self._counted.get(run, 0)
+
     def _check_runs(self) -> int:
         rows = torch.cat(
             [self.first_step.double()[:, None], self.first_values.double(), self.bad_steps.double()[:, None]], 1
         ).tolist()
         diverged = [(int(first), run) for run, (first, _, _, bad) in enumerate(rows) if bad > 0]
+        self._counted = {run: int(row[3]) for run, row in enumerate(rows)}
         if not diverged:
             return 0
         if self.policy == "stop":

@@ -42,32 +42,28 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from icrl_kernels.validation import check_device, check_int
 
+from . import batched
 from ._checks import check_training_fields
 from ._cli import command_line
 from ._cli import resolve_device as _resolve_device
-from .checkpoint import CHECKPOINT_VERSION, CheckpointError, checkpoint_field, load_checkpoint, save_checkpoint
+from .batched import StackedRuns
 from .config import add_config_arguments, as_tuple, config_from_args, make_parser
-from .cuda_graphs import (
-    CUDA_GRAPH_HELP,
-    StepRunner,
-    cuda_graph_mode,
-    eager_optimizer_state,
-    pinned,
-    prepare_capturable,
-    set_learning_rate,
-    use_cuda_graph,
-)
+from .cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, pinned, use_cuda_graph
 from .data import (
     DatasetError,
     GenerateConfig,
@@ -79,12 +75,22 @@ from .data import (
     save_histories,
 )
 from .data.generate import BANDITS, ENV_HELP, TASKS_HELP, build_env, check_env_and_tasks, is_gym_env, split_size
-from .evaluate import EvalReport, evaluate
-from .files import JsonLines, read_json_lines, remove_partial_files, write_json, write_text
+from .evaluate import EvalReport, evaluate, make_report, reference_returns, rollout_runs
 from .generators import make_agent
-from .models.ad import ADConfig, ADModel, action_loss, count_parameters
+from .lifecycle import (
+    Resumed,
+    RunFolder,
+    TrainingRun,
+    default_autocast,
+    final_evaluation,
+    measure_batch_runs,
+    resume,
+    train_runs,
+)
+from .lifecycle import train_step as lifecycle_train_step
+from .models.ad import ADConfig, ADModel, action_loss, choose_actions, count_parameters
 from .models.headless_ad import HeadlessADConfig, HeadlessADModel
-from .nonfinite import NONFINITE_HELP, NonFiniteGuard
+from .nonfinite import NONFINITE_HELP
 from .runtime import TRACKERS, Tracker, check_trackers, maybe_compile, torch_threads
 
 MODEL_KINDS = ("ngram_ad", "ad", "headless_ad")
@@ -320,8 +326,10 @@ def load_trained(config: TrainConfig, device: str | torch.device = "cpu"):
     run_dir = Path(config.out_dir)
     histories = load_histories(config.data if config.data is not None else run_dir / "train.icrl")
     model = config.build_model(histories)
-    payload = load_checkpoint(run_dir / "checkpoint.pt", expect_config=run_identity(config))
-    model.load_state_dict(payload["model"])
+    resumed = resume(run_dir / "checkpoint.pt", run_identity(config))
+    if resumed is None:
+        raise FileNotFoundError(f"no checkpoint at {run_dir / 'checkpoint.pt'}")
+    resumed.restore_model(model)
     return model.to(device).eval(), histories
 
 
@@ -442,130 +450,193 @@ _COMPILE_EXCLUDES_GRAPHS = (
 
 
 def _train(config: TrainConfig) -> dict:
-    ddp = Distributed(config.device)
-    excluded = None
-    if ddp.world_size > 1:
-        excluded = "cuda_graph does not support data-parallel runs (torchrun): use --cuda-graph off"
-    elif config.compile:
-        excluded = _COMPILE_EXCLUDES_GRAPHS
-    graphed = use_cuda_graph(config.cuda_graph, ddp.device, excluded=excluded)
-    run_dir = Path(config.out_dir)
-    if ddp.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        remove_partial_files(run_dir)  # of writes a killed run left unfinished
-        write_json(run_dir / "config.json", dataclasses.asdict(config))
-    ddp.barrier()
-    start_time = time.perf_counter()
-    histories = load_or_generate(config, run_dir, ddp)
-    windows = HistoryWindows(histories, config.seq_len, episode_subsample=config.episode_subsample)
-
-    torch.manual_seed(config.seed)
-    model = config.build_model(histories).to(ddp.device)
-    betas = (config.beta1, config.beta2)
-    optimizer = torch.optim.AdamW(model.parameters(), config.learning_rate, betas, weight_decay=config.weight_decay)
-    rng = np.random.default_rng([config.seed, ddp.rank])
-    step = 0
-    checkpoint_path = run_dir / "checkpoint.pt"
-    identity = run_identity(config)
-    if checkpoint_path.exists():
-        payload = load_checkpoint(checkpoint_path, expect_config=identity)
-        step = payload["step"]
-        if step > config.steps:
-            raise CheckpointError(f"{checkpoint_path}: field 'step' is {step}, past the run's {config.steps} steps")
-        numpy_states = checkpoint_field(payload, checkpoint_path, "rng", "numpy", kind=list)
-        if len(numpy_states) <= ddp.rank:  # one state per process of the run that saved it
-            raise CheckpointError(
-                f"{checkpoint_path}: field ['rng']['numpy'] holds {len(numpy_states)} states, none for rank {ddp.rank}"
-            )
-        try:
-            rng.bit_generator.state = numpy_states[ddp.rank]
-        except (TypeError, ValueError, KeyError):
-            raise CheckpointError(f"{checkpoint_path}: field ['rng']['numpy'] is not a numpy PCG64 state") from None
-        torch_state = checkpoint_field(payload, checkpoint_path, "rng", "torch", kind=torch.Tensor)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])  # saved non-capturable (eager_optimizer_state)
-        torch.set_rng_state(torch_state)
-        if "cuda" in payload["rng"] and ddp.device.type == "cuda":  # Headless-AD's maps, dropout on the GPU
-            torch.cuda.set_rng_state(payload["rng"]["cuda"], ddp.device)
-    metrics_path = run_dir / "metrics.jsonl"
-    if ddp.is_main:
-        # Rows after the checkpoint's step come from a run killed before its next checkpoint: this run
-        # redoes those steps, so drop them instead of logging every such step twice.
-        _trim_metrics(metrics_path, step)
-    ddp.barrier()
-    finished = finished_summary(config, step, quiet=not ddp.is_main)
-    if finished is not None:  # nothing left to do: no second evaluation (and no second row)
-        return finished if ddp.is_main else {}
-
-    if graphed:  # the learning rate and step counters move to the device, where the graph reads them
-        prepare_capturable(optimizer)
-    # Watches every step on the device; read below only where the loop reads the host anyway.
-    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=step)
-    if checkpoint_path.exists():
-        guard.saved(checkpoint_path, step)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if ddp.world_size > 1 else model
-    trained = maybe_compile(trained, config.compile)
-    tracker = (
-        Tracker(config.track, run_dir, dataclasses.asdict(config), project=config.wandb_project,
-                entity=config.wandb_entity)
-        if ddp.is_main else Tracker((), run_dir, {})
-    )  # fmt: skip
-
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=ddp.device.type == "cuda")
-    metrics = JsonLines(metrics_path) if ddp.is_main else None
-    show = config.progress and ddp.is_main
-    bar = tqdm(total=config.steps, initial=step, desc=f"train {config.model}", disable=not show)
-    if ddp.is_main and step == 0:
-        size = f"{count_parameters(model):,} parameters, {len(windows):,} training windows"
-        print(f"{config.model}: {size}", file=sys.stderr)
-    model.train()
-    last_log = (step, time.perf_counter())
-    run_step = StepRunner(
-        lambda batch: train_step(model, trained, optimizer, batch, config, autocast), model, optimizer, ddp.device,
-        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
-    )  # fmt: skip
-    try:
-        while step < config.steps:
-            learning_rate = learning_rate_at(step, config)
-            set_learning_rate(optimizer, learning_rate)
-            stats = run_step(_next_batch(windows, rng, config, model, ddp.device))
-            step += 1
-            bar.update(1)
-            log_now = step % config.log_every == 0 or step == config.steps
-            # Every rank (their gradients are all-reduced): raises if the run diverged ("stop"), before a NaN row.
-            skipped = guard.check() if log_now else 0
-            if metrics is not None and log_now:
-                loss, grad_norm = stats.tolist()  # the host reads, every log_every steps
-                record, last_log = metric_row(step, loss, learning_rate, grad_norm, last_log, start_time)
-                if config.nonfinite == "skip":
-                    record["skipped_steps"] = skipped
-                metrics.write(record)
-                tracker.log(step, {f"train/{name}": record[name] for name in _TRACKED})
-                bar.set_postfix(loss=f"{record['loss']:.3f}")
-            if step % config.checkpoint_every == 0 or step == config.steps:
-                guard.check()  # every rank: never a checkpoint of a diverged model over the last good one
-                if metrics is not None:
-                    metrics.sync()  # the rows up to this step are on disk before the checkpoint refers to them
-                _checkpoint(model, optimizer, rng, step, identity, checkpoint_path, ddp)
-                guard.saved(checkpoint_path, step)
-            if config.eval_every and step % config.eval_every == 0 and step < config.steps and ddp.is_main:
-                guard.check()
-                report = run_evaluation(model, config, histories, seed=config.seed + 1)
-                metrics.write({"step": step, "eval": report.summary})
-                tracker.log(step, _eval_scalars(report.summary))
-                model.train()
-        bar.close()
-
-        summary: dict = {}
-        if ddp.is_main:
-            report = run_evaluation(model, config, histories, seed=config.seed + 1)
-            summary = record_evaluation(report, config, step, metrics, tracker, start_time)
-    finally:
-        if metrics is not None:
-            metrics.close()
-        tracker.close()
-    ddp.barrier()
+    (summary,) = train_runs([TrainRun(config)])
     return summary
+
+
+class TrainRun(TrainingRun):
+    """An ``icrl-train`` run in the run lifecycle (:mod:`icrl_models.lifecycle`): windows of learning histories
+    drawn from the run's own generator, the action loss (InfoNCE over a fresh random action map for Headless-AD),
+    and in-context evaluation on held-out tasks. ``ddp``: the process group of a data-parallel run (default: one
+    process); ``histories``: datasets already loaded, by path (runs of one batch share them)."""
+
+    def __init__(self, config: TrainConfig, ddp: Distributed | None = None, *, histories: dict | None = None) -> None:
+        self.config = config
+        self.ddp = ddp if ddp is not None else Distributed(config.device)
+        self.device, self.is_main = self.ddp.device, self.ddp.is_main
+        self.folder = RunFolder(config.out_dir)
+        self.identity = run_identity(config)
+        self.steps, self.cuda_graph, self.nonfinite = config.steps, config.cuda_graph, config.nonfinite
+        self.progress = config.progress and self.ddp.is_main
+        self.log_every, self.eval_every = config.log_every, config.eval_every
+        self.checkpoint_every = config.checkpoint_every
+        self.grad_clip = config.grad_clip
+        if self.ddp.world_size > 1:
+            self.excluded = "cuda_graph does not support data-parallel runs (torchrun): use --cuda-graph off"
+        elif config.compile:
+            self.excluded = _COMPILE_EXCLUDES_GRAPHS
+        use_cuda_graph(config.cuda_graph, self.device, excluded=self.excluded)  # "on" where it cannot run: fail now
+        self.start_time = time.perf_counter()
+        self._histories = histories if histories is not None else {}
+        self.tracker = Tracker((), self.folder.path, {})
+
+    # -- building ---------------------------------------------------------------------------------------------
+    def config_json(self) -> dict:
+        return dataclasses.asdict(self.config)
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.ddp.barrier()
+        config = self.config
+        path = str(Path(config.data if config.data is not None else self.folder.path / "train.icrl").resolve())
+        if path not in self._histories:  # runs of one batch on the same data load it once
+            self._histories[path] = load_or_generate(config, self.folder.path, self.ddp)
+        self.histories = self._histories[path]
+        key = (path, config.seq_len, config.episode_subsample)
+        if key not in self._histories:  # and share one index of windows
+            self._histories[key] = HistoryWindows(
+                self.histories, config.seq_len, episode_subsample=config.episode_subsample
+            )
+        self.windows = self._histories[key]
+        self.rng = np.random.default_rng([config.seed, self.ddp.rank])
+        if self.is_main and config.track:
+            self.tracker = Tracker(config.track, self.folder.path, dataclasses.asdict(config),
+                                   project=config.wandb_project, entity=config.wandb_entity)  # fmt: skip
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.config.seed)
+        return self.config.build_model(self.histories)
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        config = self.config
+        betas = (config.beta1, config.beta2)
+        return torch.optim.AdamW(model.parameters(), config.learning_rate, betas, weight_decay=config.weight_decay)
+
+    def restore(self, resumed: Resumed) -> None:
+        resumed.restore_numpy(self.rng, self.ddp.rank)  # one state per process of the run that saved it
+
+    def random_state(self) -> dict:
+        states = [None] * self.ddp.world_size
+        if self.ddp.world_size > 1:
+            dist.all_gather_object(states, self.rng.bit_generator.state)
+        else:
+            states = [self.rng.bit_generator.state]
+        return {"numpy": states}
+
+    def finished(self) -> dict | None:
+        self.ddp.barrier()
+        summary = finished_summary(self.config, self.step, quiet=not self.is_main)
+        if summary is None:
+            return None
+        return summary if self.is_main else {}
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def learning_rate(self, step: int) -> float:
+        return learning_rate_at(step, self.config)
+
+    def next_batch(self, step: int) -> dict[str, torch.Tensor]:
+        return _next_batch(self.windows, self.rng, self.config, self.model, self.device)
+
+    def constants(self) -> dict[str, float]:
+        return {"label_smoothing": self.config.label_smoothing}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of one run of a batch (under ``vmap``; its label smoothing a 0-d tensor of the batch)."""
+        return run_loss(model, model, local_action_batch(batch), batch["label_smoothing"])
+
+    @functools.cached_property
+    def trained(self) -> nn.Module:
+        """The module whose forward a single step calls: the model, or its data-parallel / compiled wrapper (DDP
+        synchronises gradients through its forward)."""
+        trained = DistributedDataParallel(self.model) if self.ddp.world_size > 1 else self.model
+        return maybe_compile(trained, self.config.compile)
+
+    def single_step(self, model, optimizer, batch) -> torch.Tensor:
+        return train_step(model, self.trained, optimizer, batch, self.config, default_autocast(self.device))
+
+    @classmethod
+    def starting(cls, runs: Sequence[TrainRun], model: nn.Module, step: int) -> None:
+        first = runs[0]
+        sizes = {dataclasses.astuple(dataclasses.replace(run.model.config, embedding_dropout=0.0, residual_dropout=0.0))
+                 for run in runs}  # fmt: skip
+        if len(sizes) > 1:  # dropout rates are each run's own (RunDropout); every other model setting must agree
+            raise ValueError(
+                "runs of one batch must have equal model sizes, but their data give different ones "
+                f"(environment sizes, action sets): {[run.model.config for run in runs]}"
+            )
+        if step == 0 and first.is_main:
+            size = f"{count_parameters(first.model):,} parameters"
+            if len(runs) == 1:
+                print(f"{first.config.model}: {size}, {len(first.windows):,} training windows", file=sys.stderr)
+            else:
+                print(f"{first.config.model}: {len(runs)} runs of {size} as one batch", file=sys.stderr)
+
+    @classmethod
+    def batch_runs(cls, runs: Sequence[TrainRun], step: int) -> dict[str, torch.Tensor]:
+        """Each run's ``batch_size`` windows, drawn from its own generator exactly as its single run draws them
+        (``[K, B, ...]`` tensors of the keys a step reads); runs on the same windows are gathered in one call."""
+        batch_size = runs[0].config.batch_size
+        indices = [run.rng.integers(0, len(run.windows), size=batch_size) for run in runs]
+        rows: list[dict | None] = [None] * len(runs)
+        by_windows: dict[int, list[int]] = {}
+        for index, run in enumerate(runs):
+            by_windows.setdefault(id(run.windows), []).append(index)
+        for members in by_windows.values():
+            gathered = runs[members[0]].windows.get_batch(np.concatenate([indices[i] for i in members]))
+            for position, index in enumerate(members):
+                rows[index] = {name: gathered[name][position * batch_size : (position + 1) * batch_size]
+                               for name in _STEP_KEYS}  # fmt: skip
+        # Action sets as wide as the widest run's (-1: no action), where the runs' data differ (bandits of a
+        # range of arm counts); a run's padded positions are never available to it.
+        width = max(row["action_set"].shape[1] for row in rows)
+        for row in rows:
+            row["action_set"] = F.pad(row["action_set"], (0, width - row["action_set"].shape[1]), value=-1)
+        batch = {name: torch.stack([row[name] for row in rows]) for name in _STEP_KEYS}
+        if isinstance(runs[0].model, HeadlessADModel):  # each run's map of the step, as wide as its own data's
+            maps = []
+            for run in runs:
+                with run.own_streams():
+                    drawn = run.model.draw_action_map(run.histories.action_sets.shape[1])
+                maps.append(F.pad(drawn, (0, 0, 0, width - drawn.shape[0])))  # unavailable rows: never read
+            batch["action_map"] = torch.stack(maps)
+        return batch
+
+    # -- rows, evaluations, the end ---------------------------------------------------------------------------
+    def on_row(self, step: int, row: dict) -> None:
+        if "eval" in row:
+            self.tracker.log(step, _eval_scalars(row["eval"]))
+        elif "loss" in row:
+            self.tracker.log(step, {f"train/{name}": row[name] for name in _TRACKED})
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        if not self.is_main:
+            return {}
+        return {"eval": run_evaluation(model, self.config, self.histories, seed=self.config.seed + 1).summary}
+
+    def finish(self, model: nn.Module, step: int) -> dict:
+        summary: dict = {}
+        if self.is_main:
+            report = run_evaluation(model, self.config, self.histories, seed=self.config.seed + 1)
+            summary = record_evaluation(report, self.config, step, self.write_row, self.start_time)
+        self.ddp.barrier()
+        return summary
+
+    def close(self) -> None:
+        self.tracker.close()
+
+    @classmethod
+    def evaluate_runs(cls, runs: Sequence[TrainRun], models: Sequence[nn.Module], step: int) -> list[dict]:
+        if len(runs) == 1 or isinstance(models[0], HeadlessADModel):  # Headless-AD: each run's rollouts alone
+            return super().evaluate_runs(runs, models, step)
+        return [{"eval": report.summary} for report in evaluate_runs(models, runs)]
+
+    @classmethod
+    def finish_runs(cls, runs: Sequence[TrainRun], models: Sequence[nn.Module], step: int) -> list[dict]:
+        if len(runs) == 1 or isinstance(models[0], HeadlessADModel):
+            return super().finish_runs(runs, models, step)
+        reports = evaluate_runs(models, runs)
+        return [record_evaluation(report, run.config, step, run.write_row, run.start_time)
+                for run, report in zip(runs, reports)]  # fmt: skip
 
 
 _TRACKED = ("loss", "lr", "grad_norm", "steps_per_second")
@@ -576,32 +647,22 @@ def finished_summary(config: TrainConfig, step: int, *, quiet: bool = False) -> 
     ``config.steps``, with its evaluation row in ``metrics.jsonl``), else None; says so on stderr."""
     if step != config.steps:
         return None
-    metrics_path = Path(config.out_dir) / "metrics.jsonl"
-    finished = [r["eval"] for r in _read_metrics(metrics_path) if r.get("step") == step and "eval" in r]
-    if not finished:
+    finished = final_evaluation(Path(config.out_dir) / "metrics.jsonl", step)
+    if finished is None:
         return None
     if not quiet:
         print(f"{config.out_dir} is already finished ({step} steps): final return "
-              f"{finished[-1]['final_return']:.2f}", file=sys.stderr)  # fmt: skip
-    return finished[-1]
+              f"{finished['final_return']:.2f}", file=sys.stderr)  # fmt: skip
+    return finished
 
 
-def metric_row(step: int, loss: float, learning_rate: float, grad_norm: float, last_log: tuple, start_time: float):
-    """A training row of ``metrics.jsonl`` at ``step`` and the new ``last_log`` ``(step, time)``; steps per
-    second are counted since ``last_log``."""
-    now = time.perf_counter()
-    record = {"step": step, "loss": loss, "lr": learning_rate, "grad_norm": grad_norm,
-              "steps_per_second": (step - last_log[0]) / (now - last_log[1]), "seconds": now - start_time}  # fmt: skip
-    return record, (step, now)
-
-
-def record_evaluation(report: EvalReport, config: TrainConfig, step: int, metrics, tracker, start_time: float) -> dict:
-    """Write a run's final evaluation: ``eval.json`` / ``eval.png``, its ``metrics.jsonl`` row and tracker
-    scalars; print its table and summary line. Returns the summary (with ``wall_seconds``)."""
+def record_evaluation(report: EvalReport, config: TrainConfig, step: int, write_row, start_time: float) -> dict:
+    """Write a run's final evaluation: ``eval.json`` / ``eval.png`` and its ``metrics.jsonl`` row (``write_row``,
+    which also gives the tracker its scalars); print its table and summary line. Returns the summary (with
+    ``wall_seconds``)."""
     json_path, png_path = report.save(config.out_dir, title=f"{config.model} on {config.env}, held-out tasks")
     summary = {**report.summary, "wall_seconds": time.perf_counter() - start_time}
-    metrics.write({"step": step, "eval": summary})
-    tracker.log(step, _eval_scalars(summary))
+    write_row({"step": step, "eval": summary})
     print(report.table())
     print(
         f"last {report.final_episodes} in-context episodes: return {summary['final_return']:.2f} = "
@@ -614,20 +675,6 @@ def record_evaluation(report: EvalReport, config: TrainConfig, step: int, metric
 
 def _eval_scalars(summary: dict) -> dict:
     return {f"eval/{name}": value for name, value in summary.items() if isinstance(value, (int, float))}
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    """The rows of ``metrics.jsonl``; a torn last line (a kill mid-write) is dropped."""
-    return read_json_lines(path)
-
-
-def _trim_metrics(path: Path, step: int) -> list[dict]:
-    """Drop the rows of ``metrics.jsonl`` logged after ``step`` (atomically); returns the rows kept."""
-    records = _read_metrics(path)
-    kept = [record for record in records if int(record.get("step", 0)) <= step]
-    if len(kept) != len(records) or (path.exists() and path.read_text().count("\n") != len(records)):
-        write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
-    return kept
 
 
 def _next_batch(windows: HistoryWindows, rng: np.random.Generator, config: TrainConfig, model, device) -> dict:
@@ -649,13 +696,11 @@ def train_step(
     Returns ``[loss, grad_norm]`` (fp32, on the device). It reads no device value on the host, so on CUDA it
     can be captured whole in a CUDA graph (``--cuda-graph``, :class:`~icrl_models.cuda_graphs.StepRunner`).
     """
-    optimizer.zero_grad(set_to_none=True)
-    with autocast:
-        loss = run_loss(model, trained, local_action_batch(batch), config.label_smoothing)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-    optimizer.step()
-    return torch.stack([loss.detach().float(), grad_norm.float()])
+
+    def loss(model, batch):
+        return run_loss(model, trained, local_action_batch(batch), config.label_smoothing)
+
+    return lifecycle_train_step(model, optimizer, batch, loss, grad_clip=config.grad_clip, autocast=autocast)
 
 
 def run_loss(model, trained, batch, label_smoothing: float | torch.Tensor) -> torch.Tensor:
@@ -668,33 +713,165 @@ def run_loss(model, trained, batch, label_smoothing: float | torch.Tensor) -> to
     return action_loss(logits, {**batch, "actions": batch["local_actions"]}, label_smoothing)
 
 
-def _cuda_rng_state(model) -> dict:
-    """``{"cuda": state}`` of the default CUDA generator of the model's device ({} off CUDA): a resumed run
-    then draws the same Headless-AD maps and dropout masks as an uninterrupted one. Every rank of a
-    data-parallel run seeds its device alike, so rank 0's state stands for all."""
-    device = next(model.parameters()).device
-    return {"cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {}
+# -- many runs as one batched model (icrl-compare --batch-runs) ---------------------------------------------------
+#: :class:`TrainConfig` fields that may differ between the runs of one batch; every other field (the model's
+#: shape, the environment, steps, batch size, device, evaluation length...) must be equal.
+PER_RUN_FIELDS = (
+    "data", "num_histories", "num_train_tasks", "source_episodes", "seed", "out_dir",
+    "learning_rate", "weight_decay", "beta1", "beta2", "warmup_steps", "grad_clip",
+    "embedding_dropout", "residual_dropout", "label_smoothing", "episode_subsample",
+    "eval_tasks", "eval_envs_per_task", "eval_distribution", "eval_num_arms", "eval_action_set", "sample_actions",
+    "checkpoint_every", "log_every",
+)  # fmt: skip
+#: Model kinds a batch can train.
+BATCHED_MODELS = ("ad", "ngram_ad", "headless_ad")
+#: The batch tensors a training step reads (the rest of a windows batch stays on the host).
+_STEP_KEYS = ("states", "actions", "prev_actions", "prev_rewards", "mask", "action_set")
 
 
-def _checkpoint(model, optimizer, rng, step, identity, path, ddp: Distributed) -> None:
-    states = [None] * ddp.world_size
-    if ddp.world_size > 1:
-        dist.all_gather_object(states, rng.bit_generator.state)
-    else:
-        states = [rng.bit_generator.state]
-    if ddp.is_main:
-        rng_states = {"numpy": states, "torch": torch.get_rng_state(), **_cuda_rng_state(model)}
-        write_checkpoint(path, step, identity, model.state_dict(), eager_optimizer_state(optimizer), rng_states)
+def batchable(config: TrainConfig) -> str | None:
+    """None if ``config``'s run can train inside a batch, else why not (one phrase)."""
+    if config.model not in BATCHED_MODELS:
+        return f"model {config.model!r} trains alone (batched: {', '.join(BATCHED_MODELS)})"
+    if config.compile:
+        return "compile traces one model's forward (batched runs use --cuda-graph on CUDA instead)"
+    if config.track:
+        return "track logs one run per process (batched runs write metrics.jsonl only)"
+    return None
 
 
-def write_checkpoint(path, step: int, identity: dict, model_state: dict, optimizer_state: dict, rng: dict) -> None:
-    """A run's ``checkpoint.pt``: its model's ``state_dict``, its AdamW's (as a non-capturable optimiser saves
-    it), its random states (``{"numpy": [per rank], "torch": CPU state, "cuda": ...}``) and its identity."""
-    save_checkpoint(
-        {"version": CHECKPOINT_VERSION, "step": step, "config": identity, "model": model_state,
-         "optimizer": optimizer_state, "rng": rng},
-        path,
-    )  # fmt: skip
+def check_batch(configs: Sequence[TrainConfig]) -> list[TrainConfig]:
+    """``configs`` as a list, checked to form one batch (:func:`icrl_models.batched.check_batch` with
+    :data:`PER_RUN_FIELDS` and :func:`batchable`); a ``ValueError`` / ``TypeError`` naming the problem."""
+    for config in configs:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"configs must be TrainConfig objects, got {type(config).__name__}")
+    return batched.check_batch(configs, per_run_fields=PER_RUN_FIELDS, batchable=batchable)
+
+
+def group_runs(configs: Sequence[TrainConfig], batch_runs: int) -> list[list[int]]:
+    """Indices of ``configs`` in batches of at most ``batch_runs`` runs of one shape (:data:`PER_RUN_FIELDS` may
+    differ), in order; runs that cannot be batched (:func:`batchable`) are batches of one."""
+    return batched.group_runs(configs, batch_runs, per_run_fields=PER_RUN_FIELDS, batchable=batchable)
+
+
+def train_batched(configs: Sequence[TrainConfig]) -> list[dict]:
+    """Run (or resume) ``configs`` as one batch (:func:`check_batch`); returns each run's final evaluation
+    summary, as :func:`train` returns it.
+
+    Each run resumes from its own ``checkpoint.pt`` (written alone or in any batch); runs at different steps
+    train as consecutive batches, and a finished run returns its stored evaluation (no training, no second
+    evaluation row)."""
+    configs = check_batch(configs)
+    with torch_threads(configs[0].threads):
+        ddp, shared = Distributed(configs[0].device), {}
+        return train_runs([TrainRun(config, ddp, histories=shared) for config in configs], batched=True)
+
+
+@dataclass
+class RunBatch:
+    """One trial of a sweep made of several runs trained as one batch (:func:`run_batch` runs it); ``threads``:
+    the torch CPU threads of the batch's process (0: automatic, or the scheduler's share)."""
+
+    configs: tuple[TrainConfig, ...]
+    threads: int = 0
+
+    @property
+    def out_dir(self) -> str:
+        """The runs' folders (a failed trial names them)."""
+        return ", ".join(config.out_dir for config in self.configs)
+
+
+def run_batch(batch: RunBatch) -> dict:
+    """A sweep trial made of several runs (:class:`RunBatch`): train them as one batch; ``{"summaries": [...]}``
+    in the runs' order (each as :func:`train` returns it). Module-level, so that worker processes and Ray import
+    it by name."""
+    configs = [dataclasses.replace(config, threads=batch.threads) for config in batch.configs]
+    return {"summaries": train_batched(configs)}
+
+
+@torch.no_grad()
+def evaluate_runs(models: Sequence[nn.Module], runs: Sequence[TrainRun]) -> list[EvalReport]:
+    """Each run's in-context evaluation, as :func:`run_evaluation` does it alone (seed ``config.seed + 1``, its
+    own tasks, source and sampling), with every run's environments stepped together: one decoding step of all
+    models (:meth:`~icrl_models.batched.StackedRuns.decode_step`), then each run's choice with its own generator,
+    so a run draws the actions it would draw alone. The references are computed once per distinct evaluation."""
+    stacked = StackedRuns(models).eval()
+    device = runs[0].device
+    configs = [run.config for run in runs]
+    settings = [evaluation_settings(run.config, run.histories) for run in runs]
+    seeds = [config.seed + 1 for config in configs]
+    envs = [setting["make_env"](seed) for setting, seed in zip(settings, seeds)]
+    num_episodes = configs[0].eval_episodes
+    width = max(env.num_envs for env in envs)
+    state = stacked.init_decode_state(width, num_episodes * max(env.episode_length for env in envs))
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    available = [models[0].head_availability(torch.from_numpy(env.action_sets()).to(device) >= 0) for env in envs]
+
+    def act(states, prev_actions, prev_rewards, active):
+        nonlocal state
+        logits, state = stacked.decode_step(state, states, prev_actions, prev_rewards)
+        actions = torch.zeros(logits.shape[:2], dtype=torch.long, device=device)
+        for run, env in enumerate(envs):
+            if active[run]:
+                size = env.num_envs
+                actions[run, :size] = choose_actions(logits[run, :size], available[run], settings[run]["sample"],
+                                                     generators[run], configs[run].select_tau)  # fmt: skip
+        return actions
+
+    progress = configs[0].progress
+    returns, _ = rollout_runs(envs, num_episodes, act, device=device, progress=progress)
+    references: dict[str, object] = {}
+    reports = []
+    for run, setting, seed, model_returns in zip(runs, settings, seeds, returns):
+        key = json.dumps([repr(setting["make_env"].args), seed, run.histories.metadata["generator"],
+                          setting["source_episodes"], num_episodes], default=str)  # fmt: skip
+        if key not in references:
+            references[key] = reference_returns(
+                setting["make_env"],
+                setting["source"],
+                seed=seed,
+                source_episodes=setting["source_episodes"],
+                num_episodes=num_episodes,
+            )
+        reports.append(make_report(model_returns, references[key], episode_subsample=setting["episode_subsample"]))
+    return reports
+
+
+#: ``--batch-runs auto`` on a CPU: at most this many runs per batch (a CPU step costs about K times a run's
+#: compute, so larger batches gain little once Python's per-op overhead is shared, and delay every run's result).
+CPU_MAX_AUTO_BATCH = 8
+
+
+def auto_batch_runs(config: TrainConfig, *, runs: int, share: int = 1) -> int:
+    """``--batch-runs auto`` for ``runs`` runs shaped like ``config``: the lifecycle's measured probe
+    (:func:`~icrl_models.lifecycle.measure_batch_runs`) of 1, 2, 4, ... fresh runs of its model on a small dataset
+    generated into a temporary folder (the model's sizes, not its data, matter), one run stepping as ``icrl-train``
+    steps it. At most :data:`CPU_MAX_AUTO_BATCH` on a CPU; runs that cannot batch: 1."""
+    if batchable(config) is not None:
+        return 1
+    device = Distributed(config.device).device
+    maximum = runs if device.type == "cuda" else min(runs, CPU_MAX_AUTO_BATCH)
+    with tempfile.TemporaryDirectory(prefix="icrl-batch-probe-") as folder:
+        shared: dict = {}
+        data = Path(folder) / "train.icrl"
+        save_histories(generate_histories(config.generate_config("train", 2, 2), progress=False), data)
+
+        def make_runs(count: int) -> list[TrainRun]:
+            probe = [
+                dataclasses.replace(
+                    config,
+                    data=str(data),
+                    seed=index,
+                    progress=False,
+                    threads=0,
+                    out_dir=str(Path(folder) / f"k{count}-run{index}"),
+                )
+                for index in range(count)
+            ]
+            return [TrainRun(run, histories=shared) for run in probe]  # fmt: skip
+
+        return measure_batch_runs(make_runs, device, runs=maximum, share=share)
 
 
 @command_line("icrl-train")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import icrl_models.lifecycle as lifecycle
 import icrl_models.train as train_module
 from icrl_models.checkpoint import CheckpointError, load_checkpoint
 from icrl_models.data import GenerateConfig, HistoryWindows, generate_histories
@@ -207,18 +208,18 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
     expected = load_checkpoint(tmp_path / "straight" / "run" / "checkpoint.pt")["model"]
 
     resumed = _tiny_train_config(tmp_path / "resumed", eval_episodes=1)
-    original = train_module._checkpoint
+    original = lifecycle.save_run_checkpoint
 
-    def checkpoint_then_die(model, optimizer, rng, step, *args):
-        original(model, optimizer, rng, step, *args)
+    def checkpoint_then_die(path, step, *args, **kwargs):
+        original(path, step, *args, **kwargs)
         if step == 3:
             raise KeyboardInterrupt  # a kill right after the step-3 checkpoint
 
-    monkeypatch.setattr(train_module, "_checkpoint", checkpoint_then_die)
+    monkeypatch.setattr(lifecycle, "save_run_checkpoint", checkpoint_then_die)
     with pytest.raises(KeyboardInterrupt):
         train(resumed)
     assert load_checkpoint(tmp_path / "resumed" / "run" / "checkpoint.pt")["step"] == 3
-    monkeypatch.setattr(train_module, "_checkpoint", original)
+    monkeypatch.setattr(lifecycle, "save_run_checkpoint", original)
     train(resumed)
     final = load_checkpoint(tmp_path / "resumed" / "run" / "checkpoint.pt")
     assert final["step"] == 6

@@ -2,9 +2,11 @@
 only icrl_kernels' public API.
 
 The import graph is read statically from the source (``ast``): every ``import`` statement counts, at
-module level or inside a function (the kernel modules are imported inside the ops, so a cycle through
-such an import is still a cycle of the design, even when it does not fail at import time), except those
-under ``if TYPE_CHECKING:`` (annotations only: they never run).
+module level, inside a function (the kernel modules are imported inside the ops, so a cycle through
+such an import is still a cycle of the design, even when it does not fail at import time) or under
+``if TYPE_CHECKING:`` (an annotation that needs the other module is a dependency too: two modules that each
+need the other are one piece of code). The files of an op folder import what docs/architecture.md's table
+says they do.
 """
 
 from __future__ import annotations
@@ -46,30 +48,24 @@ def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
     return files
 
 
-def _type_checking_block(node: ast.AST) -> bool:
-    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): imports that exist for annotations only."""
-    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
-    return isinstance(test, (ast.Name, ast.Attribute)) and getattr(test, "id", getattr(test, "attr", "")) == (
-        "TYPE_CHECKING"
-    )
-
-
 def _statements(tree: ast.AST) -> Iterator[ast.AST]:
-    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks (never run)."""
+    """Every node of ``tree``, in source order."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
-        children = node.orelse if _type_checking_block(node) else list(ast.iter_child_nodes(node))
-        stack.extend(reversed(children))  # source order
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
-def imports(root: Path, packages: tuple[str, ...]) -> Iterator[Import]:
-    """Every name imported by a module of ``packages`` (all ``import`` statements, at any depth, except those
-    under ``if TYPE_CHECKING:``, which never run), with relative imports resolved to absolute module names."""
+def imports(root: Path, packages: tuple[str, ...], *, module_level: bool = False) -> Iterator[Import]:
+    """Every name imported by a module of ``packages`` (all ``import`` statements, at any depth, ``if
+    TYPE_CHECKING:`` blocks included; only those outside functions with ``module_level``), with relative imports
+    resolved to absolute module names."""
     for module, path in module_files(root, packages).items():
         is_package = path.name == "__init__.py"
-        for node in _statements(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        nodes = _module_level(tree) if module_level else _statements(tree)
+        for node in nodes:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield Import(module, alias.name, None, node.lineno)
@@ -81,6 +77,16 @@ def imports(root: Path, packages: tuple[str, ...]) -> Iterator[Import]:
                     source = node.module or ""
                 for alias in node.names:
                     yield Import(module, source, alias.name, node.lineno)
+
+
+def _module_level(tree: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of ``tree`` that run when the module is imported: everything outside function bodies."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
 def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
@@ -141,7 +147,10 @@ def test_cycle_finder_finds_a_cycle(tmp_path):
     assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.a"]
     (package / "sub" / "b.py").write_text("from .. import c\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    # An import for annotations only still makes the two modules one piece of code.
     (package / "c.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from . import a\n")
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+    (package / "c.py").write_text("")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
 
 
@@ -203,3 +212,89 @@ def test_no_test_file_imports_another():
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             found += [f"{path.name}:{node.lineno} imports {name}" for name in names if name.startswith("test_")]
     assert found == []
+
+
+# -- the files of an op folder ---------------------------------------------------------------------------------------
+#: The op folders of icrl_kernels.
+OP_FOLDERS = ("attention", "contrastive", "looped", "moa", "ngram", "smeared")
+#: The files every op folder has; any other file of a folder is one of its extras (docs/architecture.md).
+STANDARD_FILES = ("reference", "checks", "eager", "kernels", "function", "__init__")
+#: What each file of an op folder may import from icrl_kernels (docs/architecture.md, "An op folder"): a shared
+#: module (``_library``...), ``own:<file>`` (a file of its folder; ``own:extra``: any of its extras, ``own:*``:
+#: any file) or ``other:<file>`` (that file of another op folder).
+IMPORT_TABLE = {
+    "reference": {"_library", "own:checks", "other:reference"},
+    "checks": {"_validation", "_backend", "own:extra", "other:checks"},
+    "eager": {"_library", "own:reference", "own:checks", "own:extra", "other:function"},
+    "kernels": {"_triton", "_library", "_backend", "own:checks", "own:extra", "other:kernels", "other:checks"},
+    "function": {"_backend", "_library", "_validation", "own:*"},
+    "__init__": {"own:function", "own:checks", "own:reference", "own:extra"},
+    "extra": {"_backend", "_library", "_triton", "_validation", "own:*"},
+}
+
+
+def _kind(folder: str, file: str) -> str:
+    """``reference`` ... ``__init__`` for a standard file, ``extra`` for any other."""
+    return file if file in STANDARD_FILES else "extra"
+
+
+def op_folder_violations(root: Path) -> list[str]:
+    """Imports of an op folder's files that :data:`IMPORT_TABLE` does not allow, and ``kernels`` imported by a
+    ``function.py`` at module level (Triton is optional: the kernels are imported inside the functions)."""
+    known = set(module_files(root, ("icrl_kernels",)))
+    found = []
+
+    def target_of(item: Import) -> str:
+        candidate = f"{item.module}.{item.name}"
+        return candidate if candidate in known else item.module
+
+    for item in imports(root, ("icrl_kernels",)):
+        parts = item.importer.split(".")
+        if len(parts) < 2 or parts[1] not in OP_FOLDERS:
+            continue
+        folder, file = parts[1], parts[2] if len(parts) > 2 else "__init__"
+        target = target_of(item).split(".")
+        if target[0] != "icrl_kernels" or target == ["icrl_kernels", folder]:  # its own package: a name of a file
+            continue
+        if len(target) == 2 and target[1] not in OP_FOLDERS:
+            allowed_as = target[1]  # a shared module
+        elif target[1] == folder:
+            other = target[2] if len(target) > 2 else "__init__"
+            allowed_as = f"own:{other}" if other in STANDARD_FILES else "own:extra"
+        else:
+            allowed_as = f"other:{target[2] if len(target) > 2 else '__init__'}"
+        rules = IMPORT_TABLE[_kind(folder, file)]
+        if allowed_as not in rules and not (allowed_as.startswith("own:") and "own:*" in rules):
+            found.append(f"{item.importer}:{item.line} imports {'.'.join(target)} ({allowed_as})")
+    for item in imports(root, ("icrl_kernels",), module_level=True):
+        parts = item.importer.split(".")
+        if len(parts) == 3 and parts[1] in OP_FOLDERS and parts[2] == "function":
+            if target_of(item).endswith("kernels"):
+                found.append(f"{item.importer}:{item.line} imports {target_of(item)} at module level")
+    return found
+
+
+def test_op_folders_import_what_the_table_says():
+    assert op_folder_violations(ROOT) == []
+
+
+def test_op_folder_check_can_fail(tmp_path):
+    """The check above flags a reference importing an eager path, checks importing another op's function, and a
+    function.py importing its kernels at module level."""
+    for name in ("_library", "_validation", "_triton", "_backend"):
+        (tmp_path / "icrl_kernels").mkdir(exist_ok=True)
+        (tmp_path / "icrl_kernels" / f"{name}.py").write_text("")
+    (tmp_path / "icrl_kernels" / "__init__.py").write_text("")
+    for folder in ("moa", "smeared"):
+        (tmp_path / "icrl_kernels" / folder).mkdir()
+        for file in STANDARD_FILES:
+            (tmp_path / "icrl_kernels" / folder / f"{file}.py").write_text("")
+    moa = tmp_path / "icrl_kernels" / "moa"
+    (moa / "reference.py").write_text("from .eager import x\nfrom .._library import compute_dtype\n")
+    (moa / "checks.py").write_text("from ..smeared.function import smeared_keys\n")
+    (moa / "function.py").write_text("from .kernels import k\n\n\ndef f():\n    from .kernels import g\n")
+    assert op_folder_violations(tmp_path) == [
+        "icrl_kernels.moa.checks:1 imports icrl_kernels.smeared.function (other:function)",
+        "icrl_kernels.moa.reference:1 imports icrl_kernels.moa.eager (own:eager)",
+        "icrl_kernels.moa.function:1 imports icrl_kernels.moa.kernels at module level",
+    ]

@@ -24,21 +24,22 @@ from _helpers import HostReadDetector, gpu_value_checks
 
 import icrl_models.batched as batched
 import icrl_models.cuda_graphs as cuda_graphs
+import icrl_models.lifecycle as lifecycle
+import icrl_models.train as train_module
 from icrl_kernels.testing import assert_close_rel
-from icrl_models.batched import (
-    RunAdamW,
-    RunDropout,
-    StackedRuns,
-    batched_train_step,
+from icrl_models.batched import RunAdamW, RunDropout, StackedRuns, batched_train_step, clip_run_gradients
+from icrl_models.checkpoint import load_checkpoint
+from icrl_models.data import HistoryWindows, generate_histories, local_action_batch, save_histories
+from icrl_models.experiments.ngram_ad import CompareConfig, build_trials, compare, draw_assignments
+from icrl_models.train import (
+    TrainConfig,
+    TrainRun,
     check_batch,
-    clip_run_gradients,
     group_runs,
+    learning_rate_at,
+    train,
     train_batched,
 )
-from icrl_models.checkpoint import load_checkpoint
-from icrl_models.data import generate_histories, local_action_batch, save_histories
-from icrl_models.experiments.ngram_ad import CompareConfig, build_trials, compare, draw_assignments
-from icrl_models.train import TrainConfig, learning_rate_at, train
 
 #: Every model kind a batch trains: (model, env, overrides). Contextual bandits embed vector observations.
 MODEL_KINDS = {
@@ -46,6 +47,12 @@ MODEL_KINDS = {
     "ngram_ad-transition": ("ngram_ad", "dark_room", {"ngram_tokens": "transition"}),
     "ad": ("ad", "dark_room", {}),
     "ad-contextual": ("ad", "contextual_bandit", {"num_arms": "4", "source_episodes": 1, "seq_len": 12}),
+    # Headless-AD: per-run random action maps every step (each run's from its own stream), InfoNCE under vmap.
+    "headless_ad": (
+        "headless_ad",
+        "bernoulli_bandit",
+        {"num_arms": "4", "source_episodes": 1, "seq_len": 12, "embed_dim": 8, "eval_episodes": 1},
+    ),
 }
 #: Per-run scalars of the three runs of a batch: all different.
 RUN_SCALARS = [
@@ -100,13 +107,13 @@ def _without_time(summary: dict) -> dict:
 def drawn_windows(monkeypatch):
     """The window indices of every ``HistoryWindows.get_batch`` call (single and batched runs), in call order."""
     calls = []
-    original = batched.HistoryWindows.get_batch
+    original = HistoryWindows.get_batch
 
     def recording(self, indices):
         calls.append(np.asarray(indices).copy())
         return original(self, indices)
 
-    monkeypatch.setattr(batched.HistoryWindows, "get_batch", recording)
+    monkeypatch.setattr(HistoryWindows, "get_batch", recording)
     return calls
 
 
@@ -213,14 +220,15 @@ class _Killed(Exception):
 
 
 def _kill_at(monkeypatch, step: int) -> None:
-    original = batched.BatchedTrainer.on_step
+    """A kill after step ``step`` (its rows logged, its checkpoint saved if due), before the next step."""
+    original = TrainRun.learning_rate
 
-    def on_step(self, runs, current, stats):
-        original(self, runs, current, stats)
-        if current == step:
+    def learning_rate(self, current):
+        if current == step:  # 0-based: the step after ``step``
             raise _Killed
+        return original(self, current)
 
-    monkeypatch.setattr(batched.BatchedTrainer, "on_step", on_step)
+    monkeypatch.setattr(TrainRun, "learning_rate", learning_rate)
 
 
 def test_a_killed_batch_resumes_per_run_and_ends_as_if_never_killed(tmp_path, monkeypatch):
@@ -240,7 +248,7 @@ def test_a_killed_batch_resumes_per_run_and_ends_as_if_never_killed(tmp_path, mo
         assert _without_time(summary_b) == _without_time(summary_a)
     # Finished: rerunning trains and evaluates nothing, and adds no row.
     before = [(Path(c.out_dir) / "metrics.jsonl").read_text() for c in killed]
-    monkeypatch.setattr(batched, "evaluate_runs", lambda *a, **k: pytest.fail("evaluated a finished run again"))
+    monkeypatch.setattr(train_module, "evaluate_runs", lambda *a, **k: pytest.fail("evaluated a finished run again"))
     assert [s["final_return"] for s in train_batched(killed)] == [s["final_return"] for s in resumed]
     assert [(Path(c.out_dir) / "metrics.jsonl").read_text() for c in killed] == before
 
@@ -315,7 +323,7 @@ def test_a_batch_must_share_its_shape(change, message):
 
 @pytest.mark.parametrize(
     "change, message",
-    [({"model": "headless_ad"}, "trains alone"), ({"compile": True}, "compile"),
+    [({"compile": True}, "compile"),
      ({"track": ("tensorboard",)}, "track")],
 )  # fmt: skip
 def test_runs_that_cannot_batch_say_why_and_group_alone(change, message):
@@ -351,40 +359,60 @@ def test_each_run_of_a_batch_keeps_its_own_scalars(tmp_path):
             assert same == (index != 1), (name, index)
 
 
-def test_run_adamw_is_torch_adamw_per_run():
-    """Per-run learning rates, weight decays and betas against one torch AdamW per run, over 30 steps of random
-    gradients; the exported state is an AdamW state_dict that torch loads, and a run continues from it."""
+def _torch_optimizers(params, settings, kind):
+    """Each run's own optimiser: AdamW with its weight decay on the matrices only (two groups, as icrl-markov's),
+    or Adam (icrl-looped's)."""
+    optimizers = []
+    for run, (lr, decay, betas) in zip(params, settings):
+        if kind == "adam":
+            optimizers.append(torch.optim.Adam(run, lr=lr, betas=betas))
+        else:
+            groups = [{"params": [p for p in run if p.dim() >= 2], "weight_decay": decay},
+                      {"params": [p for p in run if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+            optimizers.append(torch.optim.AdamW(groups, lr=lr, betas=betas))
+    return optimizers
+
+
+@pytest.mark.parametrize("kind", ["adamw-groups", "adam"])
+def test_run_adamw_is_each_runs_torch_optimiser(kind):
+    """Per-run learning rates, weight decays (on one parameter group only) and betas against each run's own torch
+    optimiser, over 30 steps of random gradients, from a state restored mid-way (each run's optimiser state taken
+    over by for_runs); each run's exported state is its optimiser's state_dict, which torch loads."""
     g = torch.Generator().manual_seed(0)
-    shapes = [("a", (3, 4)), ("b", (5,))]
+    shapes = [(3, 4), (5,), (2, 2)]
     settings = [(1e-2, 0.1, (0.9, 0.99)), (3e-3, 0.0, (0.5, 0.999)), (1e-1, 1e-3, (0.99, 0.9))]
-    params = [[torch.randn(*shape, generator=g, requires_grad=True) for _, shape in shapes] for _ in settings]
-    flat = torch.nn.Parameter(torch.stack([torch.cat([p.detach().reshape(-1) for p in run]) for run in params]))
-    ours = RunAdamW(flat, weight_decay=[s[1] for s in settings], betas=[s[2] for s in settings])
-    theirs = [torch.optim.AdamW(run, lr=s[0], betas=s[2], weight_decay=s[1]) for run, s in zip(params, settings)]
+    if kind == "adam":
+        settings = [(lr, 0.0, betas) for lr, _, betas in settings]
+    params = [[torch.randn(*shape, generator=g, requires_grad=True) for shape in shapes] for _ in settings]
+    theirs = _torch_optimizers(params, settings, kind)
     lrs = torch.tensor([s[0] for s in settings], dtype=torch.float64)
-    for _ in range(30):
-        grads = [[torch.randn(*shape, generator=g) for _, shape in shapes] for _ in settings]
-        flat.grad = torch.stack([torch.cat([x.reshape(-1) for x in run]) for run in grads])
-        ours.step(lrs)
+
+    def draw():
+        grads = [[torch.randn(*shape, generator=g) for shape in shapes] for _ in settings]
         for run, grad, optimizer in zip(params, grads, theirs):
             for p, x in zip(run, grad):
                 p.grad = x
             optimizer.step()
+        return torch.stack([torch.cat([x.reshape(-1) for x in run]) for run in grads])
+
+    for _ in range(5):  # the runs' own optimisers first: their state is what a checkpoint restores
+        draw()
+    flat = torch.nn.Parameter(torch.stack([torch.cat([p.detach().reshape(-1) for p in run]) for run in params]))
+    ours = RunAdamW.for_runs(flat, params, theirs)
+    for _ in range(30):
+        flat.grad = draw()
+        ours.step(lrs)
     for index, (run, optimizer) in enumerate(zip(params, theirs)):
         torch.testing.assert_close(flat[index], torch.cat([p.detach().reshape(-1) for p in run]), rtol=1e-5, atol=1e-6)
-        exported = ours.run_state_dict(index, shapes, settings[index][0])
+        exported = ours.run_state_dict(index, settings[index][0])
         reference = optimizer.state_dict()
         assert exported["param_groups"] == reference["param_groups"]
         for position, state in reference["state"].items():
             for key, value in state.items():
                 torch.testing.assert_close(exported["state"][position][key], value, rtol=1e-5, atol=1e-7)
-        fresh = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in run], lr=settings[index][0])
+        copies = [p.detach().clone().requires_grad_() for p in run]
+        (fresh,) = _torch_optimizers([copies], [settings[index]], kind)
         fresh.load_state_dict(exported)  # a single run resumes from a batched run's optimiser state
-        copy = RunAdamW(flat.detach().clone(), weight_decay=[0.0] * 3, betas=[(0.9, 0.99)] * 3)
-        copy.load_run_state_dict(index, exported, shapes)
-        for key in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(copy.state[copy.param_groups[0]["params"][0]][key][index],
-                                       ours.state[flat][key][index])  # fmt: skip
 
 
 def test_per_run_clipping_is_clip_grad_norm_per_run():
@@ -407,8 +435,7 @@ def test_dropout_rates_are_each_runs_own(tmp_path):
     runs = _runs(tmp_path, "ngram_ad", "dropout", steps=5)
     rates = [(0.0, 0.0), (0.5, 0.1), (0.2, 0.7)]
     runs = [dataclasses.replace(c, embedding_dropout=e, residual_dropout=r) for c, (e, r) in zip(runs, rates)]
-    trainer = batched.BatchedTrainer(check_batch(runs))
-    stacked = StackedRuns([run.model for run in trainer.runs])
+    stacked = StackedRuns([run.model for run in _opened(runs)])
     buffers = stacked.buffer_views()
     assert buffers["embedding_dropout.rate"].tolist() == pytest.approx([0.0, 0.5, 0.2])
     assert buffers["blocks.0.dropout.rate"].tolist() == pytest.approx([0.0, 0.1, 0.7])
@@ -424,26 +451,61 @@ def test_dropout_rates_are_each_runs_own(tmp_path):
     assert RunDropout(0.3).rate.item() == pytest.approx(0.3)
 
 
+def test_stacked_runs_hold_every_value_in_the_open_and_decode_with_pytree_states(tmp_path):
+    """The template is a registered submodule holding no tensor (nothing hidden from ``to()``, ``state_dict()``
+    or the guard); decoding states are pytrees of tensors that ``vmap`` takes as they are: one step of all runs
+    equals each run's own model stepping its own state."""
+    runs = _runs(tmp_path, "ngram_ad", "pytree", steps=1)
+    opened = _opened(runs)
+    models = [copy.deepcopy(run.model) for run in opened]
+    stacked = StackedRuns([run.model for run in opened]).eval()
+    assert dict(stacked.named_modules())["call.model"] is stacked.template
+    assert list(stacked.template.parameters()) == [] and list(stacked.template.buffers()) == []
+    assert set(stacked.state_dict()) == {"flat"} | {n for n in stacked.state_dict() if n.startswith("stacked__")}
+    state = stacked.init_decode_state(2, 8)
+    leaves, _ = torch.utils._pytree.tree_flatten(state)
+    assert leaves and all(isinstance(leaf, torch.Tensor) and leaf.shape[0] == 3 for leaf in leaves)
+    singles = [model.eval().init_decode_state(2, 8) for model in models]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        inputs = (torch.randint(0, 5, (3, 2), generator=g), torch.randint(-1, 4, (3, 2), generator=g),
+                  torch.rand(3, 2, generator=g))  # fmt: skip
+        logits, state = stacked.decode_step(state, *inputs)
+        for k, (model, single) in enumerate(zip(models, singles)):
+            want = model.step(single, *(x[k] for x in inputs))
+            torch.testing.assert_close(logits[k], want, rtol=1e-5, atol=1e-6)
+
+
 # -- one CUDA graph ----------------------------------------------------------------------------------------------
+def _opened(configs: list[TrainConfig]) -> list[TrainRun]:
+    """The runs of ``configs`` with their folders, data, models and optimisers, as a batch opens them."""
+    runs = [TrainRun(config, histories={}) for config in check_batch(configs)]
+    lifecycle.open_runs(runs)
+    return runs
+
+
 def _step_inputs(tmp_path, kind: str = "ngram_ad"):
-    runs = _runs(tmp_path, kind, "step", steps=3)
-    trainer = batched.BatchedTrainer(check_batch(runs))
-    stacked = StackedRuns([run.model for run in trainer.runs])
-    optimizer = RunAdamW(stacked.flat, weight_decay=[c.weight_decay for c in runs],
-                         betas=[(c.beta1, c.beta2) for c in runs])  # fmt: skip
-    smoothing = torch.tensor([c.label_smoothing for c in runs])
-    norms = torch.tensor([c.grad_clip for c in runs])
-    batches = [trainer.next_batch(trainer.runs, [1e-3, 2e-3, 3e-3]) for _ in range(3)]
-    return stacked, optimizer, smoothing, norms, batches
+    opened = _opened(_runs(tmp_path, kind, "step", steps=3))
+    stacked = StackedRuns([run.model for run in opened])
+    optimizer = RunAdamW.for_runs(stacked.flat, [list(run.model.parameters()) for run in opened],
+                                  [run.optimizer for run in opened])  # fmt: skip
+    norms = torch.tensor([run.config.grad_clip for run in opened])
+    batches = []
+    for _ in range(3):
+        batch = TrainRun.batch_runs(opened, 0)
+        batch["label_smoothing"] = torch.tensor([run.config.label_smoothing for run in opened])
+        batch["learning_rate"] = torch.tensor([1e-3, 2e-3, 3e-3], dtype=torch.float64)
+        batches.append(batch)
+    return stacked, optimizer, opened[0].loss, norms, batches
 
 
 @pytest.mark.parametrize("kind", ["ngram_ad", "ad"])
 def test_the_batched_step_reads_no_value_on_host(tmp_path, kind):
-    stacked, optimizer, smoothing, norms, batches = _step_inputs(tmp_path, kind)
+    stacked, optimizer, loss, norms, batches = _step_inputs(tmp_path, kind)
     autocast = torch.autocast("cpu", enabled=False)
     with gpu_value_checks(), HostReadDetector() as detector:
         for batch in batches:  # the first step too: a graph's warm-up runs it
-            stats = batched_train_step(stacked, optimizer, batch, smoothing, norms, autocast)
+            stats = batched_train_step(stacked, optimizer, batch, loss, norms, autocast)
     assert not detector.reads, f"the batched step reads device values on the host: {detector.reads}"
     assert stats.shape == (3, 2) and stats.dtype == torch.float32 and torch.isfinite(stats).all()
 
@@ -454,10 +516,10 @@ def test_the_graphed_runner_trains_a_batch_as_the_eager_one(tmp_path, emulated_c
     autocast = torch.autocast("cpu", enabled=False)
     results = {}
     for graphed in (False, True):
-        stacked, optimizer, smoothing, norms, batches = _step_inputs(tmp_path / str(graphed))
+        stacked, optimizer, loss, norms, batches = _step_inputs(tmp_path / str(graphed))
         emulated_cuda_graphs(stacked, optimizer)
         runner = cuda_graphs.StepRunner(
-            lambda b, s=stacked, o=optimizer, e=smoothing, n=norms: batched_train_step(s, o, b, e, n, autocast),
+            lambda b, s=stacked, o=optimizer, f=loss, n=norms: batched_train_step(s, o, b, f, n, autocast),
             stacked, optimizer, torch.device("cpu"),
         )  # fmt: skip
         runner.graphed = graphed
@@ -496,7 +558,7 @@ def test_compare_with_batch_runs_gives_the_sequential_results_and_resumes(tmp_pa
     sequential = compare(CompareConfig(out_dir=str(tmp_path / "one"), **TINY_SWEEP))
     config = CompareConfig(out_dir=str(tmp_path / "batched"), batch_runs="2", **TINY_SWEEP)
     seen = []
-    original = batched.train_batched
+    original = train_batched
     monkeypatch.setattr("icrl_models.experiments.ngram_ad.train_batched",
                         lambda configs: seen.append(len(configs)) or original(configs))  # fmt: skip
     result = compare(config)
@@ -527,7 +589,36 @@ def test_batch_runs_flag(capsys):
         assert main(["--batch-runs", bad, "--report-only"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "batch_runs must be an int >= 1 or 'auto'" in err
-    assert batched.auto_batch_runs(TrainConfig(device="cpu")) == batched.CPU_AUTO_BATCH
+
+
+@pytest.mark.parametrize(
+    "cost, chosen",
+    [(lambda k: 1.0 * k, 1), (lambda k: 1.0 + 0.05 * k, 8), (lambda k: 0.05 + 0.95 * k, 1),
+     (lambda k: 2.0 + 0.5 * k + (0.6 * k if k > 4 else 0.0), 4)],
+    ids=["compute-bound", "overhead-bound", "gain-below-margin", "best-in-the-middle"],
+)  # fmt: skip
+def test_batch_runs_auto_picks_the_fastest_measured_batch(monkeypatch, cost, chosen):
+    """``--batch-runs auto`` times steps of 1, 2, 4, 8 runs (a fake clock: a step of K runs costs ``cost(K)``
+    seconds) and picks the K with the most run-steps per second, 1 unless that beats one run alone by 10%."""
+    clock = [0.0]
+    monkeypatch.setattr(batched.time, "perf_counter", lambda: clock[0])
+
+    def make_step(count):
+        def step():
+            clock[0] += cost(count)
+
+        return step
+
+    assert batched.auto_batch_runs(make_step, torch.device("cpu"), runs=8) == chosen
+
+
+def test_batch_runs_auto_probes_icrl_train_runs(capsys):
+    """The probe of icrl-compare's runs: real steps of 1 and 2 tiny runs; it says what it measured."""
+    config = TrainConfig(device="cpu", d_model=8, num_heads=2, num_layers=1, seq_len=8, batch_size=2,
+                         progress=False)  # fmt: skip
+    assert train_module.auto_batch_runs(config, runs=2) in (1, 2)
+    assert "--batch-runs auto: run-steps per second K=1: " in capsys.readouterr().err
+    assert train_module.auto_batch_runs(dataclasses.replace(config, compile=True), runs=4) == 1
 
 
 # -- GPU -----------------------------------------------------------------------------------------------------------
@@ -557,19 +648,18 @@ def test_batched_runs_on_cuda_follow_single_runs_graphed_or_not(tmp_path, kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_batched_step_does_not_synchronise_on_cuda(tmp_path):
     runs = [dataclasses.replace(c, device="cuda", backend="auto") for c in _runs(tmp_path, "ngram_ad", "sync")]
-    trainer = batched.BatchedTrainer(check_batch(runs))
-    stacked, optimizer, run_step = trainer.step_runner(trainer.runs)
-    first, second = (cuda_graphs.to_device(trainer.next_batch(trainer.runs, [1e-3] * 3), trainer.device)
-                     for _ in range(2))  # fmt: skip
-    run_step.step(first)  # warm-up: compiles, autotunes
+    opened = _opened(runs)
+    engine = lifecycle._Stacked(opened)
+    first, second = (cuda_graphs.to_device(engine.batch(0, [1e-3] * 3), engine.runs[0].device) for _ in range(2))
+    engine.step(first)  # warm-up: compiles, autotunes
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        stats = run_step.step(second)
+        stats = engine.step(second)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(stats).all() and stats.shape == (3, 2)
-    assert 0 < batched.auto_batch_runs(runs[0]) <= batched.CUDA_MAX_AUTO_BATCH
+    assert 0 < train_module.auto_batch_runs(runs[0], runs=8) <= 8
 
 
 def test_a_diverging_run_stops_its_batch_in_one_line(tmp_path):
@@ -594,7 +684,7 @@ def test_a_diverging_run_stops_its_batch_in_one_line(tmp_path):
 def test_skipping_non_finite_steps_undoes_only_that_run(tmp_path, monkeypatch, capsys):
     """--nonfinite skip in a batch: a step non-finite for run 1 only (its statistics made NaN at steps 3 and 5)
     is undone for run 1 alone: run 0 trains exactly as it does alone, and the skips are reported for run 1."""
-    original = batched.batched_train_step
+    original = lifecycle.batched_train_step
     calls = []
 
     def step_with_nan_for_run_1(*args, **kwargs):
@@ -605,13 +695,13 @@ def test_skipping_non_finite_steps_undoes_only_that_run(tmp_path, monkeypatch, c
             stats[1, 0] = float("nan")
         return stats
 
-    monkeypatch.setattr(batched, "batched_train_step", step_with_nan_for_run_1)
+    monkeypatch.setattr(lifecycle, "batched_train_step", step_with_nan_for_run_1)
     base = _base(tmp_path, "ad", steps=8, checkpoint_every=4, log_every=4, nonfinite="skip")
     first = dataclasses.replace(base, out_dir=str(tmp_path / "run0"))
     second = dataclasses.replace(base, seed=1, out_dir=str(tmp_path / "run1"))
     train_batched([first, second])
     assert "non-finite step(s), 2 in all (the first at step 3)" in capsys.readouterr().err
-    monkeypatch.setattr(batched, "batched_train_step", original)
+    monkeypatch.setattr(lifecycle, "batched_train_step", original)
     alone = dataclasses.replace(first, out_dir=str(tmp_path / "alone"))
     train(alone)
     got = torch.tensor([row["loss"] for row in _training_rows(first)])

@@ -196,20 +196,6 @@ def test_cached_dataset_generates_once_then_reuses(tmp_path, monkeypatch):
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".partial")]
 
 
-def test_running_loss_reads_the_device_once_per_mean():
-    from _helpers import HostReadDetector
-
-    running = harness.RunningLoss()
-    assert np.isnan(running.mean())
-    losses = [torch.tensor(v, requires_grad=True) * 1 for v in (0.5, 1.25, 2.0)]
-    with HostReadDetector() as detector:
-        for loss in losses:
-            running.add(loss)
-    assert not detector.reads
-    assert running.mean() == pytest.approx(1.25)
-    assert np.isnan(running.mean())  # each mean starts afresh
-
-
 # --- CPU time estimates and per-seed configs ------------------------------------------------------------
 
 

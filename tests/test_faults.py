@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+import icrl_models.lifecycle as lifecycle
 import icrl_models.train as train_module
 from icrl_models.checkpoint import load_checkpoint
 from icrl_models.data import load_histories
@@ -221,14 +222,14 @@ def test_icrl_train_stop_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, c
     """Diverging at step 6 with checkpoints every 4 steps: the run stops at the next check (step 8, before its
     save), naming step 6 and the checkpoint of step 4, which is the one written at step 4, byte for byte."""
     saved = {}
-    original_save = train_module.save_checkpoint
+    original_save = lifecycle.save_checkpoint
 
     def recording_save(payload, path):
         result = original_save(payload, path)
         saved[payload["step"]] = Path(path).read_bytes()
         return result
 
-    monkeypatch.setattr(train_module, "save_checkpoint", recording_save)
+    monkeypatch.setattr(lifecycle, "save_checkpoint", recording_save)
     _poison_train_step_at(monkeypatch, train_module, "train_step", at=6)
     out = tmp_path / "run"
     argv = [*TINY_TRAIN, "--steps", "12", "--checkpoint-every", "4", "--log-every", "4", "--out-dir", str(out)]
@@ -260,7 +261,7 @@ def test_icrl_train_skip_finishes_and_logs_the_skipped_steps(tmp_path, monkeypat
 def test_icrl_looped_stops_in_one_line_and_keeps_its_checkpoint(tmp_path, monkeypatch, capsys):
     from icrl_models.experiments import looped
 
-    _poison_train_step_at(monkeypatch, looped, "train_step", at=5)
+    _poison_train_step_at(monkeypatch, lifecycle, "train_step", at=5)
     out = tmp_path / "looped"
     argv = ["--steps", "8", "--batch-size", "4", "--n-dims", "3", "--n-points", "5", "--d-model", "16",
             "--n-heads", "2", "--loops-start", "2", "--loops-end", "2", "--grad-loops", "1", "--dims-start", "3",
@@ -279,7 +280,7 @@ def test_icrl_looped_stops_in_one_line_and_keeps_its_checkpoint(tmp_path, monkey
 def test_icrl_markov_stops_in_one_line(tmp_path, monkeypatch, capsys):
     from icrl_models.experiments import markov_heads
 
-    _poison_train_step_at(monkeypatch, markov_heads, "dt_train_step", at=3)
+    _poison_train_step_at(monkeypatch, lifecycle, "train_step", at=3)  # the step of every run alone
     argv = ["--steps", "4", "--eval-every", "2", "--num-histories", "6", "--episodes-per-history", "3",
             "--analysis-windows", "8", "--eval-envs", "4", "--n-layer", "1", "--n-head", "2", "--n-embd", "16",
             "--markov-heads", "0", "--context-lens", "3", "--seeds", "0", "--tasks", "dark_room_visible",

@@ -323,7 +323,9 @@ def test_rerun_reuses_each_variants_result(tmp_path, monkeypatch):
     import icrl_models.experiments.induction_heads as induction
 
     first = run_experiment(_tiny_experiment(tmp_path))
-    assert sorted(path.name for path in (tmp_path / "induction" / "runs").iterdir()) == ["1L.json", "2L-smear.json"]
+    runs = tmp_path / "induction" / "runs"
+    assert sorted(path.name for path in runs.glob("*.json")) == ["1L.json", "2L-smear.json"]
+    assert sorted(path.name for path in runs.iterdir() if path.is_dir()) == ["1L", "2L-smear"]  # run folders
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished variant was trained again")

@@ -157,8 +157,8 @@ TINY = ["--seeds", "0", "--steps", "4", "--eval-every", "2", "--num-histories", 
 def test_memory_preset_tiny_end_to_end(tmp_path, monkeypatch):
     original = mh.run_task
 
-    def run_task(task, k, seed, *args):  # one diverged run: its held-out loss is NaN
-        result = original(task, k, seed, *args)
+    def run_task(task, k, seed, *args, **kwargs):  # one diverged run: its held-out loss is NaN
+        result = original(task, k, seed, *args, **kwargs)
         if task.row == "cue_hidden_C3":
             result["held_out_loss"] = math.nan
         return result

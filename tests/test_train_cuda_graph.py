@@ -21,6 +21,7 @@ from _helpers import HostReadDetector, cpu_backends, gpu_value_checks
 
 import icrl_kernels
 import icrl_models.cuda_graphs as cuda_graphs
+import icrl_models.lifecycle as lifecycle
 from icrl_kernels import ActionMap
 from icrl_kernels.testing import assert_close_rel
 from icrl_models.cuda_graphs import eager_optimizer_state, prepare_capturable
@@ -156,18 +157,23 @@ def _dt_batches(count: int, config) -> list[dict]:
     return batches
 
 
+def _dt_train_step(model, optimizer, batch, autocast):
+    """icrl-markov's training step of one run: the lifecycle's step of the DT-MoA's loss, clipped to norm 1."""
+    return lifecycle.train_step(model, optimizer, batch, lambda m, b: m.loss(b), grad_clip=1.0, autocast=autocast)
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("gate", ["softmax", "sigmoid", "linear"])
 def test_dt_moa_training_step_reads_no_value_on_host(capturable_on_cpu, backend, gate):
-    """icrl-markov's step (the DT with MoA): its input range checks were host reads (``int(x.max())``)."""
-    from icrl_models.experiments.markov_heads import dt_train_step
+    """icrl-markov's step (the DT with MoA, the lifecycle's step): its input range checks were host reads
+    (``int(x.max())``)."""
 
     model = _dt_moa(backend, gate)
     optimizer = torch.optim.AdamW(model.parameters(), torch.tensor(1e-3), capturable=True, foreach=True)
     autocast = torch.autocast("cpu", enabled=False)
     with gpu_value_checks(), HostReadDetector() as detector:
         for batch in _dt_batches(2, model.config):
-            stats = dt_train_step(model, optimizer, batch, 1.0, autocast)
+            stats = _dt_train_step(model, optimizer, batch, autocast)
     assert not detector.reads, f"the DT-MoA training step reads device values on the host: {detector.reads}"
     assert stats.shape == (2,) and torch.isfinite(stats).all()  # loss, gradient norm
 
@@ -217,11 +223,7 @@ def test_induction_step_graphed_equals_eager_and_reads_no_value_on_host(
     StepRunner's graphed path (capture emulated, a guard, a learning rate changing every step) trains it exactly
     as the eager path."""
     from icrl_models.cuda_graphs import StepRunner, set_learning_rate
-    from icrl_models.experiments.induction_heads import (
-        AttentionOnlyTransformer,
-        induction_train_step,
-        repeated_segments,
-    )
+    from icrl_models.experiments.induction_heads import AttentionOnlyTransformer, induction_loss, repeated_segments
     from icrl_models.nonfinite import NonFiniteGuard
 
     losses, weights = {}, {}
@@ -233,7 +235,8 @@ def test_induction_step_graphed_equals_eager_and_reads_no_value_on_host(
         guard = NonFiniteGuard(model, optimizer, policy="stop", log=lambda line: None)
         graphs = emulated_cuda_graphs(model, optimizer, guard.state_tensors())
         runner = StepRunner(
-            lambda batch, m=model, o=optimizer: induction_train_step(m, o, batch["tokens"]), model, optimizer,
+            lambda batch, m=model, o=optimizer: lifecycle.train_step(m, o, batch, lambda m, b: induction_loss(
+                m, b["tokens"])), model, optimizer,
             torch.device("cpu"), guard=guard,
         )  # fmt: skip
         runner.graphed = graphed
@@ -609,7 +612,6 @@ def test_graphed_training_matches_eager_training(tmp_path, monkeypatch, model, e
 @pytest.mark.parametrize("gate", ["softmax", "linear"])
 def test_graphed_dt_moa_steps_match_eager(gate):
     """icrl-markov --cuda-graph: the DT-MoA step replayed from a graph follows the eager step (bf16 autocast)."""
-    from icrl_models.experiments.markov_heads import dt_train_step
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
     losses = {}
@@ -618,7 +620,7 @@ def test_graphed_dt_moa_steps_match_eager(gate):
         optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
         prepare_capturable(optimizer)
         runner = cuda_graphs.StepRunner(
-            lambda batch, m=model, o=optimizer: dt_train_step(m, o, batch, 1.0, autocast), model, optimizer,
+            lambda batch, m=model, o=optimizer: _dt_train_step(m, o, batch, autocast), model, optimizer,
             torch.device("cuda"), cuda_graph=graphed,
         )  # fmt: skip
         batches = [cuda_graphs.pinned(b, torch.device("cuda")) for b in _dt_batches(6, model.config)]

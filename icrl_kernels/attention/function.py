@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature, differentiable_op
+from .._library import checked_per_signature, differentiable_op, unfold_first, vmapped_first
 from . import reference
 from .checks import check_gated_attention_args
 from .eager import gated_attention_eager
@@ -79,6 +79,33 @@ gated_attention_op, gated_attention_backward_op = differentiable_op(
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
     materialize_grads=False,  # no zero gradient for lse, saved for the backward only
 )
+
+
+def _gated_attention_vmap(info, in_dims: tuple, q, k, v, gate_logits, smear_alpha, gate: str, impl: str):
+    """vmap over ``K`` slices (runs trained as one batched model) in one launch. Without per-slice smearing
+    logits the slices are more batch rows (views of a fused QKV projection stay views). With each slice's own
+    ``smear_alpha [K, H]`` they are more heads: ``q, k, v`` as ``[B, K * H, L, Dh]`` (copies) and the logits as
+    ``[K * H]``; the gates are then computed per slice first (a softmax over one slice's heads) and passed as
+    ``"linear"`` gates of the ``K * H`` heads."""
+    size = info.batch_size
+    dims = dict(zip(("q", "k", "v", "gate_logits", "smear_alpha"), in_dims))
+    if smear_alpha is None or dims["smear_alpha"] is None:
+        rows = [None if t is None else vmapped_first(t, dims[name], size).flatten(0, 1)
+                for name, t in (("q", q), ("k", k), ("v", v), ("gate_logits", gate_logits))]  # fmt: skip
+        return unfold_first(gated_attention_op(*rows, smear_alpha, gate, impl), size)
+    heads = smear_alpha.shape[-1]
+    q, k, v = (vmapped_first(t, dims[name], size).movedim(0, 1).flatten(1, 2)
+               for name, t in (("q", q), ("k", k), ("v", v)))  # fmt: skip
+    if gate_logits is not None:
+        gates = reference.gate_weights_reference(vmapped_first(gate_logits, dims["gate_logits"], size), gate)
+        gate_logits, gate = gates.movedim(0, 2).flatten(2, 3), "linear"  # [B, L, K * H]
+    alpha = vmapped_first(smear_alpha, dims["smear_alpha"], size).flatten()
+    out, lse = gated_attention_op(q, k, v, gate_logits, alpha, gate, impl)
+    # out [B, L, K * H * Dh]: slice s's heads are the s-th run of H * Dh features; lse [B, K * H, L].
+    return (out.unflatten(2, (size, -1)).movedim(2, 0), lse.unflatten(1, (size, heads)).movedim(1, 0)), (0, 0)
+
+
+gated_attention_op.register_vmap(_gated_attention_vmap)
 
 
 @checked_per_signature

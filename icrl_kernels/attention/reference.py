@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .._library import compute_dtype
+from ..moa.reference import gate_weights_reference as gate_weights_reference  # the gate (also the vmap rule's)
 from ..moa.reference import mixture_of_heads_reference
 from ..smeared.reference import smeared_keys_reference
 

@@ -16,7 +16,14 @@ from typing import Optional
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature, differentiable_op, first_tensor
+from .._library import (
+    checked_per_signature,
+    compute_dtype,
+    differentiable_op,
+    first_tensor,
+    unfold_first,
+    vmapped_first,
+)
 from . import reference
 from .checks import check_inject_layer_norm_args
 from .eager import inject_layer_norm_backward_eager, inject_layer_norm_forward_eager
@@ -121,6 +128,38 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
     materialize_grads=False,  # an unused output's gradient is None, not a zero tensor to read
 )
+
+
+def _inject_layer_norm_vmap(info, in_dims: tuple, y, prompt, pos, weight, bias, eps: float, impl: str):
+    """vmap over ``K`` slices (runs trained as one batched model) in one launch, the slices as more batch rows.
+    Per-slice parameters (``pos [K, L, D]``, ``weight`` / ``bias [K, D]``) cannot ride along as rows: then the
+    injected sum (``prompt + y + pos``, in the compute dtype, as the op adds them) goes in as the prompt, the op
+    normalises it with unit weight and no bias, and each slice's affine is applied to that output."""
+    size = info.batch_size
+    dims = dict(zip(("y", "prompt", "pos", "weight", "bias"), in_dims))
+
+    def rows(value, name):
+        return None if value is None else vmapped_first(value, dims[name], size).flatten(0, 1)
+
+    if all(dims[name] is None for name in ("pos", "weight", "bias")):
+        return unfold_first(inject_layer_norm_op(rows(y, "y"), rows(prompt, "prompt"), pos, weight, bias, eps, impl),
+                            size)  # fmt: skip
+    dtype = compute_dtype(prompt)
+    slices = {name: None if value is None else vmapped_first(value, dims[name], size)
+              for name, value in (("y", y), ("prompt", prompt), ("pos", pos))}  # fmt: skip
+    position = None if pos is None else slices["pos"][:, None]  # [K, 1, L, D]: every row of its slice
+    injected = reference.injected_sum(slices["y"], slices["prompt"], position, dtype).flatten(0, 1)
+    unit = torch.ones(weight.shape[-1], dtype=dtype, device=prompt.device)
+    hidden, normalised = (t.unflatten(0, (size, -1)) for t in
+                          inject_layer_norm_op(None, injected, None, unit, None, eps, impl))  # fmt: skip
+    scale = vmapped_first(weight, dims["weight"], size).to(dtype)[:, None, None]
+    normed = normalised * scale
+    if bias is not None:
+        normed = normed + vmapped_first(bias, dims["bias"], size).to(dtype)[:, None, None]
+    return (hidden.to(prompt.dtype), normed.to(prompt.dtype)), (0, 0)
+
+
+inject_layer_norm_op.register_vmap(_inject_layer_norm_vmap)
 
 
 # -- public function -------------------------------------------------------------------------------

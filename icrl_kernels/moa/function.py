@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature, differentiable_op, empty_output_like
+from .._library import checked_per_signature, differentiable_op, empty_output_like, fold_vmap_into_batch
 from . import reference
 from .checks import check_mixture_of_heads_args
 from .eager import mixture_of_heads_backward_eager, mixture_of_heads_forward_eager
@@ -56,6 +56,8 @@ mixture_of_heads_op, mixture_of_heads_backward_op = differentiable_op(
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
+# Under torch.func.vmap (runs trained as one batched model) the runs' tokens are more rows: one launch for all.
+fold_vmap_into_batch(mixture_of_heads_op)
 
 
 @checked_per_signature

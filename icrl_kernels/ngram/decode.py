@@ -20,6 +20,7 @@ CUDA) and runs only once the host-side bound reaches ``max_len``.
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .._validation import (
     FLOAT_DTYPES,
@@ -178,3 +179,25 @@ class NGramDecodeState:
         self.length += 1
         self._length_bound += 1
         return out.to(self.dtype)
+
+
+#: The tensors of a :class:`NGramDecodeState` (one row per sequence); its other attributes are host-side sizes.
+_STATE_TENSORS = ("_rows", "table_keys", "table_used", "table_sum", "table_count", "num_keys", "window", "length")
+
+
+def _flatten_state(state: NGramDecodeState) -> tuple[list[torch.Tensor], tuple]:
+    return [getattr(state, name) for name in _STATE_TENSORS], tuple(
+        (name, value) for name, value in vars(state).items() if name not in _STATE_TENSORS
+    )
+
+
+def _unflatten_state(tensors, context: tuple) -> NGramDecodeState:
+    state = NGramDecodeState.__new__(NGramDecodeState)
+    state.__dict__.update(context)
+    state.__dict__.update(zip(_STATE_TENSORS, tensors))
+    return state
+
+
+# A pytree: torch.func.vmap takes a state of many models' decoders (every tensor with a leading model dimension,
+# icrl_models.batched) as it is and returns the updated one.
+pytree.register_pytree_node(NGramDecodeState, _flatten_state, _unflatten_state)

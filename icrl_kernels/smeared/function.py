@@ -8,7 +8,7 @@ from types import ModuleType
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature, differentiable_op
+from .._library import checked_per_signature, differentiable_op, unfold_first, vmapped_first
 from . import reference
 from .checks import check_smeared_keys_args
 from .eager import smeared_keys_backward_eager, smeared_keys_forward_eager
@@ -55,6 +55,23 @@ smeared_keys_op, smeared_keys_backward_op = differentiable_op(
     grad_inputs=(0, 1),
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
 )
+
+
+def _smeared_keys_vmap(info, in_dims: tuple, k: torch.Tensor, alpha: torch.Tensor, impl: str):
+    """vmap over ``K`` slices (runs trained as one batched model) in one launch: with one ``alpha`` for every
+    slice the slices are more batch rows; with each slice's own ``alpha [K, H]`` they are more heads, ``k`` as
+    ``[B, K * H, L, Dh]`` (a copy) and ``alpha`` as ``[K * H]``."""
+    size = info.batch_size
+    k_dim, alpha_dim = in_dims[:2]
+    if alpha_dim is None:
+        return unfold_first(smeared_keys_op(vmapped_first(k, k_dim, size).flatten(0, 1), alpha, impl), size)
+    heads = alpha.shape[-1]
+    k = vmapped_first(k, k_dim, size).movedim(0, 1).flatten(1, 2)  # [B, K * H, L, Dh]
+    out = smeared_keys_op(k, vmapped_first(alpha, alpha_dim, size).flatten(), impl)
+    return out.unflatten(1, (size, heads)).movedim(1, 0), 0
+
+
+smeared_keys_op.register_vmap(_smeared_keys_vmap)
 
 
 @checked_per_signature

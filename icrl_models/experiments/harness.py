@@ -131,27 +131,6 @@ def warmup_then_constant(step: int, peak: float, warmup_steps: int) -> float:
 # --- run folders and datasets ----------------------------------------------------------------------
 
 
-class RunningLoss:
-    """Training losses kept on the device between log points and read on the host once per ``mean()``: a
-    per-step ``loss.item()`` makes every GPU step wait for the device before the next can be queued."""
-
-    def __init__(self) -> None:
-        self._losses: list = []
-
-    def add(self, loss) -> None:
-        self._losses.append(loss.detach())
-
-    def mean(self) -> float:
-        """The mean (in float64) of the losses added since the last call; NaN if none."""
-        import torch
-
-        if not self._losses:
-            return float("nan")
-        value = torch.stack(self._losses).double().mean().item()
-        self._losses = []
-        return value
-
-
 def run_folder(path: str | os.PathLike) -> Path:
     """The output folder ``path``, created with its parents if needed."""
     folder = Path(path)

@@ -59,7 +59,17 @@ from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data import HistoryWindows, generate_histories, local_action_batch
 from ..files import save_figure, write_json
 from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
-from ..train import TrainConfig, load_trained, make_eval_env_factory, resolve_device, run_evaluation, train
+from ..train import (
+    TrainConfig,
+    auto_batch_runs,
+    group_runs,
+    load_trained,
+    make_eval_env_factory,
+    resolve_device,
+    run_evaluation,
+    train,
+    train_batched,
+)
 from .harness import (
     cached_dataset,
     check_preset,
@@ -280,6 +290,28 @@ def _train_configs(config: HeadlessExperimentConfig, out_dir: Path) -> dict[str,
     return configs
 
 
+def _train_batches(config: HeadlessExperimentConfig, runs: dict[int, dict[str, TrainConfig]]) -> dict:
+    """``--batch-runs``: every model's runs over the training seeds trained up to K at a time as one batched model
+    (:func:`~icrl_models.train.train_batched`; ``auto`` measures K per model); returns each batched run's share
+    of its batch's CPU time, by ``(model, seed)``. Nothing with ``--batch-runs 1``."""
+    shares: dict = {}
+    if config.batch_runs == 1:
+        return shares
+    for name in runs[config.training_seeds[0]]:
+        seeds = list(runs)
+        configs = [runs[seed][name] for seed in seeds]
+        size = config.batch_runs
+        if size == "auto":
+            size = auto_batch_runs(configs[0], runs=len(configs))
+        for batch in group_runs(configs, size):
+            if len(batch) > 1:
+                start = time.process_time()
+                train_batched([configs[index] for index in batch])
+                for index in batch:
+                    shares[(name, seeds[index])] = (time.process_time() - start) / len(batch)
+    return shares
+
+
 def run_experiment(config: HeadlessExperimentConfig, *, command: str | None = None) -> dict:
     """The held-out protocol of the module docstring: train every model once per training seed, choose its
     sampling temperature on the selection seeds, score it at that temperature on the report seeds (every set of
@@ -308,6 +340,7 @@ def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> di
         "selection_sets": chosen_on,
         "models": {},
     }
+    batched_cpu = _train_batches(config, runs)  # --batch-runs: each model's training seeds as batched models
     for name in runs[config.training_seeds[0]]:
         evaluations = {}
         for seed, configs in runs.items():  # train, and score every temperature on the selection seeds
@@ -319,7 +352,7 @@ def _run_experiment(config: HeadlessExperimentConfig, command: str | None) -> di
                                train_run_cpu_seconds(train_config, evaluations=count + 1), device=device)  # fmt: skip
             train_start = time.process_time()
             train(train_config)  # resumes, or returns at once, when the run folder already holds the checkpoint
-            train_cpu = time.process_time() - train_start
+            train_cpu = batched_cpu.get((name, seed), time.process_time() - train_start)
             evaluations[seed] = RunEvaluations(config.experiment, train_config, device, train_cpu_seconds=train_cpu)
             for fraction in grid:
                 evaluations[seed].scores(fraction, config.selection_seeds, chosen_on)

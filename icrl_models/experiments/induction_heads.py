@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from icrl_kernels import BACKENDS, SmearedKeyAttention
 from icrl_kernels.validation import check_int
@@ -65,19 +65,11 @@ from ..analysis.induction import (
     uniform_causal_pattern,
 )
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import (
-    CUDA_GRAPH_HELP,
-    StepRunner,
-    cuda_graph_mode,
-    pinned,
-    prepare_capturable,
-    set_learning_rate,
-    use_cuda_graph,
-)
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..files import save_figure, write_json
-from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
+from ..lifecycle import ReadingRun, Resumed, RunFolder, measure_batch_runs, train_runs
+from ..nonfinite import NONFINITE_HELP
 from .harness import (
-    RunningLoss,
     StepCost,
     command_string,
     format_stats,
@@ -91,7 +83,15 @@ from .harness import (
     warmup_then_constant,
     write_results,
 )
-from .sweep import SweepOptions, reuse_or_run, run_trials, settings_key, sweep_options
+from .sweep import (
+    SweepOptions,
+    TrialBatch,
+    reuse_or_run,
+    reuse_or_run_batch,
+    run_trial_batches,
+    settings_key,
+    sweep_options,
+)
 
 
 @dataclass
@@ -300,79 +300,106 @@ def _steepest_drop_step(steps: list[int], values: list[float]) -> int | None:
     return steps[int(drops.argmax()) + 1]
 
 
-def induction_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
-    """One AdamW step on the next-token loss of ``tokens [B, T]`` (on the model's device); returns the loss
-    (a 0-d device tensor). Reads no device value on the host: capturable in a CUDA graph (``--cuda-graph``)."""
-    loss = next_token_losses(model(tokens), tokens).mean()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+def induction_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The training loss: the mean next-token loss of ``tokens [B, T]`` over every position."""
+    return next_token_losses(model(tokens), tokens).mean()
+
+
+class InductionRun(ReadingRun):
+    """One variant of the experiment in the run lifecycle (:mod:`icrl_models.lifecycle`): the attention-only model
+    on the repeated-segment stream (drawn on the CPU from the seed, so every device trains on the same sequences),
+    the next-token loss; every ``eval_every`` steps (and at the start and end) the heads are scored on the fixed
+    batch and the run is checkpointed in ``<out_dir>/runs/<variant>/``, so a killed run resumes."""
+
+    def __init__(self, name: str, layers: int, smear: bool, config: InductionConfig, eval_batch: EvalBatch, *,
+                 position: int = 0, folder: Path, identity: dict) -> None:  # fmt: skip
+        self.variant, self.layers, self.smear, self.config, self.position = name, layers, smear, config, position
+        self.device = resolve_device(config.device)
+        self.eval_batch = EvalBatch(eval_batch.tokens.to(self.device), eval_batch.seq_len)
+        self.folder, self.identity = RunFolder(folder), identity
+        self.steps, self.cuda_graph, self.nonfinite = config.steps, config.cuda_graph, config.nonfinite
+        self.progress = config.progress
+        self.log_every = self.eval_every = self.checkpoint_every = config.eval_every
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.start = time.perf_counter()
+        self.generator = torch.Generator().manual_seed(self.config.seed + 1)  # the same stream for every variant
+
+    def build_model(self) -> nn.Module:
+        config = self.config
+        torch.manual_seed(config.seed)
+        return AttentionOnlyTransformer(
+            config.vocab_size, config.context_len, config.d_model, config.num_heads, self.layers,
+            smear=self.smear, smear_init=config.smear_init, backend=config.backend,
+        )  # fmt: skip
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), self.config.learning_rate, weight_decay=self.config.weight_decay)
+
+    def restore(self, resumed: Resumed) -> None:
+        resumed.restore_generator(self.generator, "rng", "data")
+
+    def random_state(self) -> dict:
+        return {"data": self.generator.get_state()}
+
+    def learning_rate(self, step: int) -> float:
+        return learning_rate_at(step, self.config)
+
+    def next_batch(self, step: int) -> dict[str, torch.Tensor]:
+        config = self.config
+        tokens = repeated_segments(config.batch_size, config.context_len, config.vocab_size, config.min_period,
+                                   config.max_period, generator=self.generator)  # fmt: skip
+        return {"tokens": tokens}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return induction_loss(model, batch["tokens"])
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        return {"evaluation": evaluate_model(model, self.eval_batch)}
+
+    def finish(self, model: nn.Module, step: int) -> dict:
+        # The phase change is a departure from the first reading, at initialisation.
+        readings, losses, skipped = self.readings("evaluation")
+        curves: dict[str, list] = {"step": [], "train_loss": [], "repeat_loss": [], "icl_score": [],
+                                   "best_induction": []}  # fmt: skip
+        for row, loss in zip(readings, losses):
+            _record(curves, row["step"], loss, row["evaluation"])
+        evaluation = readings[-1]["evaluation"]
+        eval_batch = self.eval_batch
+
+        def repeat_loss() -> float:
+            with torch.no_grad():
+                losses = next_token_losses(model(eval_batch.tokens), eval_batch.tokens)
+                return losses[:, eval_batch.repeat_slice].mean().item()
+
+        model.eval()
+        importance = head_ablation_importance(model, repeat_loss)
+        return {
+            "layers": self.layers,
+            "smear": self.smear,
+            "curves": curves,
+            "final": evaluation,
+            "head_importance_repeat_loss": importance,
+            "induction_step": _first_step_at_least(curves["step"], curves["best_induction"], self.config.threshold),
+            "steepest_loss_drop_step": _steepest_drop_step(curves["step"], curves["repeat_loss"]),
+            "skipped_steps": skipped,
+            "wall_seconds": time.perf_counter() - self.start,
+        }
 
 
 def train_variant(
-    name: str, layers: int, smear: bool, config: InductionConfig, eval_batch: EvalBatch, *, position: int = 0
-) -> dict:
-    """Train one model on ``config.device`` (each step replayed from one CUDA graph under ``--cuda-graph``, see
-    :class:`~icrl_models.cuda_graphs.StepRunner`); return its curves, final evaluation, head importance and
-    wall time. The data stream is drawn on the CPU, so every device trains on the same sequences."""
-    start = time.perf_counter()
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    model = AttentionOnlyTransformer(
-        config.vocab_size, config.context_len, config.d_model, config.num_heads, layers,
-        smear=smear, smear_init=config.smear_init, backend=config.backend,
-    ).to(device)  # fmt: skip
-    eval_batch = EvalBatch(eval_batch.tokens.to(device), eval_batch.seq_len)
-    optimizer = torch.optim.AdamW(model.parameters(), config.learning_rate, weight_decay=config.weight_decay)
-    graphed = use_cuda_graph(config.cuda_graph, device)
-    if graphed:  # the learning rate and step counters on the device, where the graph reads them
-        prepare_capturable(optimizer)
-    generator = torch.Generator().manual_seed(config.seed + 1)  # the same data stream for every variant
-    curves: dict[str, list] = {"step": [], "train_loss": [], "repeat_loss": [], "icl_score": [], "best_induction": []}
-    # Where the metrics are at initialisation: the phase change is a departure from this.
-    evaluation = evaluate_model(model, eval_batch)
-    _record(curves, 0, float("nan"), evaluation)
-    running = RunningLoss()
-    # Watches every step (the gradient norm from the gradients: this step does not clip); read at evaluations.
-    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
-    run_step = StepRunner(
-        lambda batch: induction_train_step(model, optimizer, batch["tokens"]), model, optimizer, device,
-        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
-    )  # fmt: skip
-    bar = tqdm(range(1, config.steps + 1), desc=name, disable=not config.progress, position=position, leave=True)
-    for step in bar:
-        set_learning_rate(optimizer, learning_rate_at(step - 1, config))
-        tokens = repeated_segments(
-            config.batch_size, config.context_len, config.vocab_size, config.min_period, config.max_period,
-            generator=generator,
-        )  # fmt: skip
-        running.add(run_step(pinned({"tokens": tokens}, device)))
-        if step % config.eval_every == 0 or step == config.steps:
-            skipped = guard.check()  # a diverged run ("stop") ends here, before it is evaluated
-            evaluation = evaluate_model(model, eval_batch)
-            _record(curves, step, running.mean(), evaluation)
-            bar.set_postfix(loss=f"{curves['train_loss'][-1]:.3f}", induction=f"{curves['best_induction'][-1]:.2f}")
-    bar.close()
-
-    def repeat_loss() -> float:
-        with torch.no_grad():
-            losses = next_token_losses(model(eval_batch.tokens), eval_batch.tokens)
-            return losses[:, eval_batch.repeat_slice].mean().item()
-
-    model.eval()
-    importance = head_ablation_importance(model, repeat_loss)
-    return {
-        "layers": layers,
-        "smear": smear,
-        "curves": curves,
-        "final": evaluation,
-        "head_importance_repeat_loss": importance,
-        "induction_step": _first_step_at_least(curves["step"], curves["best_induction"], config.threshold),
-        "steepest_loss_drop_step": _steepest_drop_step(curves["step"], curves["repeat_loss"]),
-        "skipped_steps": skipped,
-        "wall_seconds": time.perf_counter() - start,
-    }
+    name: str, layers: int, smear: bool, config: InductionConfig, eval_batch: EvalBatch, *, position: int = 0,
+    folder: Path | None = None, identity: dict | None = None,
+) -> dict:  # fmt: skip
+    """Train one model on ``config.device`` (each step replayed from one CUDA graph under ``--cuda-graph``); return
+    its curves, final evaluation, head importance and wall time. ``folder``: the run's folder (its checkpoint, which
+    must match ``identity``, and metrics; default ``<out_dir>/runs/<name>``)."""
+    folder = Path(config.out_dir) / "runs" / name if folder is None else folder
+    run = InductionRun(name, layers, smear, config, eval_batch, position=position, folder=folder,
+                       identity=identity if identity is not None else {"variant": name})  # fmt: skip
+    (result,) = train_runs([run])
+    return result
 
 
 def _record(curves: dict[str, list], step: int, train_loss: float, evaluation: dict) -> None:
@@ -428,8 +455,15 @@ def run_experiment(config: InductionConfig, *, command: str | None = None) -> di
     with torch_threads(config.num_threads):
         if not config.seeds:
             return _run_experiment(config, command)
+        resolve_device(config.device)  # a device this machine lacks: one clear error before any trial
+        seed_configs = per_seed_configs(config)
+        # Every seed's variants at once: with --batch-runs, the seeds of one variant train as one batched model.
+        trials = [trial for seed_config in seed_configs.values() for trial in _trials(seed_config)]
+        outcomes = _train_trials(config, trials)
+        per_seed = len(config.variant_specs())
         reports = {
-            seed: _run_experiment(seed_config, command) for seed, seed_config in per_seed_configs(config).items()
+            seed: _run_experiment(seed_config, command, outcomes[index * per_seed : (index + 1) * per_seed])
+            for index, (seed, seed_config) in enumerate(seed_configs.items())
         }
         report = seeds_report(config, reports)
         markdown = format_seeds_summary(report)
@@ -506,6 +540,39 @@ class InductionTrial:
     smear: bool
     position: int
 
+    def key(self) -> dict:
+        """What the variant's result depends on: the config without where and how it runs, and the variant."""
+        # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
+        run_only = ("out_dir", "progress", "num_threads", "variants", "seeds", "nonfinite", "device", "cuda_graph")
+        return settings_key(self.config, run_only, variant=self.name)
+
+    def result_path(self) -> Path:
+        return Path(self.config.out_dir) / "runs" / f"{self.name}.json"
+
+    @property
+    def out_dir(self) -> Path:
+        """The run's folder (its checkpoint and metrics while it trains)."""
+        return self.result_path().with_suffix("")
+
+    def shape(self) -> str:
+        """What runs of one batch share (``--batch-runs``): the variant; seeds differ."""
+        return self.name
+
+    def estimate(self) -> None:
+        """Say what training the variant from scratch will cost (on stderr)."""
+        config = self.config
+        work = transformer_work(config.batch_size, config.context_len, self.layers, config.d_model)
+        print_cpu_estimate(f"induction {self.name}, seed {config.seed}", STEP_COST.estimate(config.steps, work),
+                           device=config.device)  # fmt: skip
+
+    def run(self, *, quiet: bool = False) -> InductionRun:
+        """This trial as a run of the lifecycle."""
+        config = self.config
+        if not quiet:
+            self.estimate()
+        return InductionRun(self.name, self.layers, self.smear, config, _eval_batch(config), position=self.position,
+                            folder=self.out_dir, identity=self.key())  # fmt: skip
+
 
 def _eval_batch(config: InductionConfig) -> EvalBatch:
     """The fixed evaluation batch every variant is scored on."""
@@ -517,34 +584,77 @@ def _eval_batch(config: InductionConfig) -> EvalBatch:
 
 def train_trial(trial: InductionTrial) -> dict:
     """:func:`train_variant` for one trial; its result is kept in ``<out_dir>/runs/<variant>.json`` under the
-    config's settings, so a rerun (or a resumed sweep) reuses it."""
+    config's settings, so a rerun (or a resumed sweep) reuses it, and a run killed before its end resumes from its
+    checkpoint in ``<out_dir>/runs/<variant>/``."""
 
     def run() -> dict:
         config = trial.config
-        work = transformer_work(config.batch_size, config.context_len, trial.layers, config.d_model)
-        print_cpu_estimate(f"induction {trial.name}, seed {config.seed}", STEP_COST.estimate(config.steps, work),
-                           device=config.device)  # fmt: skip
+        trial.estimate()
         start = time.process_time()
         result = train_variant(trial.name, trial.layers, trial.smear, config, _eval_batch(config),
-                               position=trial.position)  # fmt: skip
+                               position=trial.position, folder=trial.out_dir, identity=trial.key())  # fmt: skip
         return {**result, "cpu_seconds": time.process_time() - start}
 
-    # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step.
-    key = settings_key(
-        trial.config,
-        ("out_dir", "progress", "num_threads", "variants", "seeds", "nonfinite", "device", "cuda_graph"),
-        variant=trial.name,
-    )
-    return reuse_or_run(Path(trial.config.out_dir) / "runs" / f"{trial.name}.json", key, run)
+    return reuse_or_run(trial.result_path(), trial.key(), run)
 
 
-def _run_experiment(config: InductionConfig, command: str | None) -> dict:
+def train_batch(batch: TrialBatch) -> dict:
+    """``--batch-runs``: the trials of ``batch`` (one variant, several seeds) trained as one batched model, each
+    kept as :func:`train_trial` keeps it; ``{"outcomes": [...]}`` in the batch's order. ``cpu_seconds``: each
+    run's share of the batch's process time."""
+    trials = batch.trials
+
+    def run(indices: list[int]) -> list[dict]:
+        start = time.process_time()
+        results = train_runs([trials[index].run() for index in indices], batched=True)
+        share = (time.process_time() - start) / len(indices)
+        return [{**result, "cpu_seconds": share} for result in results]
+
+    return {"outcomes": reuse_or_run_batch([t.result_path() for t in trials], [t.key() for t in trials], run)}
+
+
+def _trials(config: InductionConfig) -> list[InductionTrial]:
+    return [InductionTrial(config, name, layers, smear, index)
+            for index, (name, layers, smear) in enumerate(config.variant_specs())]  # fmt: skip
+
+
+def _train_trials(config: InductionConfig, trials: list[InductionTrial]) -> list[dict]:
+    """Every trial's outcome (trained, or its stored result): one at a time, or with ``--batch-runs`` the trials of
+    one variant (the seeds of ``--seeds``) as batched models."""
+    batch_runs = config.batch_runs
+    if batch_runs == "auto":
+        batch_runs = _auto_batch_runs(config, trials)
+    return run_trial_batches(trials, train_trial, train_batch, sweep_options(config), batch_runs=batch_runs,
+                             key=InductionTrial.shape, name="induction",
+                             storage=Path(config.out_dir) / "ray")  # fmt: skip
+
+
+def _auto_batch_runs(config: InductionConfig, trials: list[InductionTrial]) -> int:
+    """``--batch-runs auto``: the lifecycle's measured probe of the largest variant's runs (a few steps each)."""
+    per_variant = max(sum(1 for t in trials if t.name == trial.name) for trial in trials)
+    if per_variant < 2:
+        return 1
+    largest = max(trials, key=lambda trial: trial.layers)
+    with tempfile.TemporaryDirectory(prefix="icrl-batch-probe-") as folder:
+
+        def make_runs(count: int) -> list[InductionRun]:
+            probe = [dataclasses.replace(largest.config, seed=seed, out_dir=f"{folder}/{count}-{seed}", progress=False)
+                     for seed in range(count)]  # fmt: skip
+            return [InductionTrial(c, largest.name, largest.layers, largest.smear, 0).run(quiet=True) for c in probe]
+
+        return measure_batch_runs(make_runs, resolve_device(config.device), runs=per_variant,
+                                  share=sweep_options(config).trials_at_once(len(trials)))  # fmt: skip
+
+
+def _run_experiment(config: InductionConfig, command: str | None, outcomes: list[dict] | None = None) -> dict:
+    """One seed's experiment: train its variants (unless their ``outcomes`` are given, trained already), write its
+    files, return its report."""
     device = resolve_device(config.device)  # a device this machine lacks: one clear error before any trial
     out_dir = run_folder(config.out_dir)
     start = time.perf_counter()
-    specs = config.variant_specs()
-    trials = [InductionTrial(config, name, layers, smear, index) for index, (name, layers, smear) in enumerate(specs)]
-    outcomes = run_trials(trials, train_trial, sweep_options(config), name="induction", storage=out_dir / "ray")
+    trials = _trials(config)
+    if outcomes is None:
+        outcomes = _train_trials(config, trials)
     results = {trial.name: outcome for trial, outcome in zip(trials, outcomes)}
     summary = {
         name: {

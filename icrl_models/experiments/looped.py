@@ -23,31 +23,24 @@ which stay in the seed folders).
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from torch import nn
 
 from icrl_kernels.validation import check_int
 
 from .._checks import check_training_fields
 from .._cli import command_line, resolve_device
-from ..checkpoint import CHECKPOINT_VERSION, checkpoint_field, load_checkpoint, save_checkpoint
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import (
-    CUDA_GRAPH_HELP,
-    CaptureError,
-    cuda_graph_mode,
-    eager_optimizer_state,
-    prepare_capturable,
-    set_learning_rate,
-    use_cuda_graph,
-)
-from ..files import save_figure
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, use_cuda_graph
+from ..files import save_figure, write_text
 from ..function_classes import (
     BASELINES,
     FUNCTION_CLASSES,
@@ -57,9 +50,18 @@ from ..function_classes import (
     normalized_squared_error,
     sample_prompts,
 )
-from ..looped_step import make_graphed_train_step, make_optimizer, train_step
+from ..lifecycle import (
+    Resumed,
+    RunFolder,
+    TrainingRun,
+    default_autocast,
+    measure_batch_runs,
+    read_metrics,
+    train_runs,
+)
+from ..looped_step import make_optimizer
 from ..models.looped import LoopedConfig, LoopedTransformer
-from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
+from ..nonfinite import NONFINITE_HELP
 from .harness import (
     StepCost,
     command_string,
@@ -75,7 +77,7 @@ from .harness import (
     warmup_then_constant,
     write_results,
 )
-from .sweep import SweepOptions, run_trials, sweep_options
+from .sweep import SweepOptions, TrialBatch, run_trial_batches, sweep_options
 
 PRESETS: dict[str, dict] = {
     # The paper's Section 5 setting (d = 5, k = 10) shrunk to a 2-core budget: D = 64 instead of 256,
@@ -215,108 +217,132 @@ def error_at_k(model: LoopedTransformer, xs: torch.Tensor, ys: torch.Tensor, loo
     return float(((preds[:, -1] - ys[:, -1].float()) ** 2).mean() / variance)
 
 
-def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTransformer, dict]:
-    """Train one model on the curriculum; returns it and its history.
+class LoopedRun(TrainingRun):
+    """One model of the experiment in the run lifecycle (:mod:`icrl_models.lifecycle`): the looped (or unlooped)
+    transformer on the curriculum's prompts (drawn from the seed, so both models see the same stream), the
+    truncated loss over its last ``T`` loops; every ``eval_every`` steps the error at ``k`` on 256 fixed prompts;
+    ``out_dir/<name>.pt`` every ``checkpoint_every`` steps (its per-step losses in ``<name>-metrics.jsonl``), from
+    which a rerun resumes, also to more steps."""
 
-    Both models draw the same prompts (the same seed), so they see identical data. Every
-    ``eval_every`` steps the error at ``k`` examples on a fixed set of 256 full-size prompts is logged;
-    every ``checkpoint_every`` steps ``out_dir/<name>.pt`` is written atomically, and a rerun of the
-    same configuration resumes from it.
+    def __init__(self, config: LoopedExperimentConfig, looped: bool) -> None:
+        self.config, self.looped = config, looped
+        self.label = "looped" if looped else "unlooped"
+        self.device = resolve_device(config.device)
+        # Two runs share the folder: each removes only its own killed writes.
+        self.folder = RunFolder(config.out_dir, f"{self.label}.pt", f"{self.label}-metrics.jsonl", shared=True)
+        self.identity = {**run_identity(config), "model": self.label}
+        self.steps, self.cuda_graph, self.nonfinite = config.steps, config.cuda_graph, config.nonfinite
+        self.log_every, self.eval_every = config.eval_every, config.eval_every
+        self.checkpoint_every = config.checkpoint_every
+        self.function_class = config.function_class()
+        self.variance = self.function_class.label_variance(config.n_dims)
+
+    @property
+    def name(self) -> str:
+        return self.label if self.looped else f"unlooped-{self.config.unlooped_layers}L"
+
+    def prepare(self) -> None:
+        super().prepare()
+        config = self.config
+        self.generator = torch.Generator().manual_seed(config.seed + 1)
+        self.monitor = sample_prompts(
+            self.function_class,
+            256,
+            config.n_points,
+            generator=torch.Generator().manual_seed(config.seed + 2),
+            device=self.device,
+        )
+        self.wall_s = 0.0  # training time of the earlier invocations (from the checkpoint)
+        self.started = time.perf_counter()
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.config.seed)
+        # The no-grad loops replay CUDA graphs of their own, except in a batch (vmap runs them).
+        graphed = use_cuda_graph(self.config.cuda_graph, self.device) and not self.batched
+        return LoopedTransformer(self.config.model_config(self.looped, graphed))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return make_optimizer(model.parameters(), self.config.learning_rate)
+
+    def restore(self, resumed: Resumed) -> None:
+        resumed.restore_generator(self.generator, "rng", "prompts")
+        if "wall_s" in resumed.payload:
+            self.wall_s = float(resumed.field("wall_s", kind=(int, float)))
+        elif "history" in resumed.payload:  # a checkpoint written before the metrics file: its history
+            history = resumed.field("history", kind=dict)
+            self.wall_s = float(history.get("wall_s", 0.0))
+            if not self.folder.metrics.exists():
+                self._rows_from_history(history, resumed.step)
+
+    def _rows_from_history(self, history: dict, step: int) -> None:
+        """The metrics rows of a run resumed from a checkpoint that kept its history inside."""
+        rows = [{"step": step, "losses": list(history.get("loss", []))}]
+        rows += [{"step": s, "eval_error_at_k": e} for s, e in zip(history.get("eval_steps", []),
+                                                                   history.get("eval_error_at_k", []))]  # fmt: skip
+        write_text(self.folder.metrics, "".join(json.dumps(row) + "\n" for row in rows))
+
+    def random_state(self) -> dict:
+        return {"prompts": self.generator.get_state()}
+
+    def checkpoint_extra(self) -> dict:
+        return {"wall_s": self.wall_s + time.perf_counter() - self.started}
+
+    def learning_rate(self, step: int) -> float:
+        return warmup_then_constant(step, self.config.learning_rate, self.config.warmup_steps)
+
+    def loops(self, step: int) -> tuple[int, int]:
+        """``(b, T)`` of 0-based ``step``: the loop curriculum (one pass for the unlooped model)."""
+        if not self.looped:
+            return 1, 1
+        loops = self.config.loops_schedule().value(step)
+        return loops, min(self.config.grad_loops, loops)
+
+    def static(self, step: int) -> tuple:
+        return self.loops(step)  # a graph per curriculum stage (and per prompt length, the batch's shape)
+
+    def next_batch(self, step: int) -> dict[str, torch.Tensor]:
+        config = self.config
+        xs, ys = sample_prompts(self.function_class, config.batch_size, config.points_schedule().value(step),
+                                active_dims=config.dims_schedule().value(step), generator=self.generator)  # fmt: skip
+        return {"xs": xs, "ys": ys}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], loops: int, grad_loops: int) -> torch.Tensor:
+        return model.loss(batch["xs"], batch["ys"], loops=loops, grad_loops=grad_loops)
+
+    def log_due(self, step: int) -> bool:
+        return step % self.eval_every == 0 or step % self.checkpoint_every == 0 or step == self.steps
+
+    def eval_due(self, step: int) -> bool:
+        return step % self.eval_every == 0 or step == self.steps
+
+    def log_row(self, step: int, losses: list[float], grad_norms: list[float]) -> dict:
+        # Every step's loss normalised by the label variance of its active dimensions: stages are comparable.
+        first = step - len(losses)
+        dims = self.config.dims_schedule()
+        normalised = [loss / self.function_class.label_variance(dims.value(first + i)) for i, loss in enumerate(losses)]
+        return {"loss": losses[-1], "grad_norm": grad_norms[-1], "losses": normalised}
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        with default_autocast(self.device):
+            error = error_at_k(model, *self.monitor, self.loops(step - 1)[0], self.variance)
+        return {"eval_error_at_k": error}
+
+    def finish(self, model: nn.Module, step: int) -> tuple[LoopedTransformer, dict]:
+        rows = read_metrics(self.folder.metrics)
+        history = {"loss": [loss for row in rows for loss in row.get("losses", [])],
+                   "eval_steps": [row["step"] for row in rows if "eval_error_at_k" in row],
+                   "eval_error_at_k": [row["eval_error_at_k"] for row in rows if "eval_error_at_k" in row],
+                   "wall_s": self.wall_s + time.perf_counter() - self.started}  # fmt: skip
+        return model, history
+
+
+def train_model(config: LoopedExperimentConfig, looped: bool) -> tuple[LoopedTransformer, dict]:
+    """Train one model on the curriculum (:class:`LoopedRun`); returns it and its history. A rerun of the same
+    configuration resumes from ``out_dir/<name>.pt`` (at its last step: returns at once).
 
     History: ``{"loss": [per step, normalised], "eval_steps": [...], "eval_error_at_k": [...], "wall_s"}``.
     """
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    graphed = use_cuda_graph(config.cuda_graph, device)
-    model = LoopedTransformer(config.model_config(looped, graphed)).to(device)
-    optimizer = make_optimizer(model.parameters(), config.learning_rate, capturable=graphed)
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    function_class = config.function_class()
-    variance = function_class.label_variance(config.n_dims)
-    monitor = sample_prompts(
-        function_class, 256, config.n_points, generator=torch.Generator().manual_seed(config.seed + 2), device=device
-    )
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    name = "looped" if looped else "unlooped"
-    history = {"loss": [], "eval_steps": [], "eval_error_at_k": [], "wall_s": 0.0}
-    path, identity = Path(config.out_dir) / f"{name}.pt", {**run_identity(config), "model": name}
-    first_step = 0
-    if path.exists():
-        payload = load_checkpoint(path, expect_config=identity)
-        prompts_state = checkpoint_field(payload, path, "rng", "prompts", kind=torch.Tensor)
-        history = checkpoint_field(payload, path, "history", kind=dict)
-        model.load_state_dict(payload["model"])
-        optimizer.load_state_dict(payload["optimizer"])
-        if graphed:
-            prepare_capturable(optimizer)  # load_state_dict restores the saved flags, lr and step devices
-        generator.set_state(prompts_state)
-        first_step = payload["step"]
-    # Watches every step on the device; read below only at the log points (checkpoints are among them).
-    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite, step=first_step)
-    if path.exists():
-        guard.saved(path, first_step)
-    watched_step = guard.watch(train_step)
-    start = time.perf_counter() - history["wall_s"]
-    label = name if looped else f"unlooped-{config.unlooped_layers}L"
-    progress = tqdm(range(first_step, config.steps), desc=f"train {label}", mininterval=2.0)
-    # Losses stay on the device until the next log point (one host read per eval_every steps, not per step).
-    pending: list[tuple[torch.Tensor, float]] = []
-    graph, graph_key = None, None
-    for step in progress:
-        set_learning_rate(optimizer, warmup_then_constant(step, config.learning_rate, config.warmup_steps))
-        active_dims = config.dims_schedule().value(step)
-        xs, ys = sample_prompts(
-            function_class, config.batch_size, config.points_schedule().value(step),
-            active_dims=active_dims, generator=generator, device=device,
-        )  # fmt: skip
-        loops = config.loops_schedule().value(step) if looped else 1
-        grad_loops = min(config.grad_loops, loops) if looped else 1
-        if graphed:
-            key = (tuple(xs.shape), loops, grad_loops)
-            if key != graph_key:  # a new curriculum stage: a new graph (the old one's memory freed first)
-                graph = None
-                try:
-                    graph = make_graphed_train_step(
-                        model, optimizer, (xs, ys), loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype,
-                        guard=guard,
-                    )  # fmt: skip
-                except CaptureError as error:
-                    if config.cuda_graph == "on":
-                        raise
-                    # --cuda-graph auto: the attempt changed nothing; this and the later steps run eagerly.
-                    print(f"cuda_graph: {error}; training eagerly (--cuda-graph off skips this)", file=sys.stderr)
-                    graphed = False
-                graph_key = key
-        if graphed:
-            loss = graph(xs, ys)
-        else:
-            loss = watched_step(
-                model, optimizer, xs, ys, loops=loops, grad_loops=grad_loops, autocast_dtype=autocast_dtype
-            )
-        # Loss normalised by the label variance, so curriculum stages are comparable.
-        pending.append((loss, function_class.label_variance(active_dims)))
-        done = step + 1
-        log_now = done % config.eval_every == 0 or done % config.checkpoint_every == 0 or done == config.steps
-        if log_now:
-            guard.check()  # a diverged run stops here, before its loss is logged or a checkpoint saved
-            values = torch.stack([value for value, _ in pending]).tolist()
-            history["loss"].extend(value / var for value, (_, var) in zip(values, pending))
-            pending.clear()
-        if done % config.eval_every == 0 or done == config.steps:
-            with autocast:
-                history["eval_error_at_k"].append(error_at_k(model, *monitor, loops, variance))
-            history["eval_steps"].append(done)
-            progress.set_postfix(loss=f"{np.mean(history['loss'][-50:]):.4f}", b=loops,
-                                 err_k=f"{history['eval_error_at_k'][-1]:.4f}")  # fmt: skip
-        if done % config.checkpoint_every == 0 or done == config.steps:
-            history["wall_s"] = time.perf_counter() - start
-            payload = {"version": CHECKPOINT_VERSION, "step": done, "config": identity, "model": model.state_dict(),
-                       "optimizer": eager_optimizer_state(optimizer), "rng": {"prompts": generator.get_state()},
-                       "history": history}  # fmt: skip
-            save_checkpoint(payload, path)
-            guard.saved(path, done)
-    history["wall_s"] = time.perf_counter() - start
+    ((model, history),) = train_runs([LoopedRun(config, looped)])
     return model, history
 
 
@@ -364,8 +390,14 @@ def run_experiment(config: LoopedExperimentConfig, *, command: str | None = None
     with torch_threads(config.threads):
         if not config.seeds:
             return _run_experiment(config, command)
+        seed_configs = per_seed_configs(config)
+        # Every seed's models at once: with --batch-runs, the seeds' looped (and unlooped) models train as batches.
+        trials = [trial for seed_config in seed_configs.values() for trial in _trials(seed_config)]
+        outcomes = _train_trials(config, trials)
+        per_seed = len(_trials(config))
         reports = {
-            seed: _run_experiment(seed_config, command) for seed, seed_config in per_seed_configs(config).items()
+            seed: _run_experiment(seed_config, command, outcomes[index * per_seed : (index + 1) * per_seed])
+            for index, (seed, seed_config) in enumerate(seed_configs.items())
         }
         report = seeds_report(config, reports)
         write_results(config.out_dir, "looped", report, format_seeds_summary(report), command=command,
@@ -397,24 +429,80 @@ class LoopedTrial:
     config: LoopedExperimentConfig
     looped: bool
 
+    @property
+    def out_dir(self) -> str:
+        return self.config.out_dir
+
+    def estimate(self) -> None:
+        """Say what training the model from scratch will cost (on stderr)."""
+        name = "looped" if self.looped else "unlooped"
+        print_cpu_estimate(f"{name} model, seed {self.config.seed} (from scratch)",
+                           _estimate_cpu_seconds(self.config, self.looped), device=self.config.device)  # fmt: skip
+
 
 def train_trial(trial: LoopedTrial) -> dict:
     """Train one model to its final checkpoint (``out_dir/<name>.pt``); ``{"wall_s", "cpu_s"}`` (``cpu_s``: the
     process CPU time of this call, which resumes a checkpoint if there is one)."""
-    name = "looped" if trial.looped else "unlooped"
-    print_cpu_estimate(f"{name} model, seed {trial.config.seed} (from scratch)",
-                       _estimate_cpu_seconds(trial.config, trial.looped), device=trial.config.device)  # fmt: skip
+    trial.estimate()
     start = time.process_time()
     _, history = train_model(trial.config, trial.looped)
     return {"wall_s": history["wall_s"], "cpu_s": time.process_time() - start}
 
 
-def _run_experiment(config: LoopedExperimentConfig, command: str | None) -> dict:
+def train_batch(batch: TrialBatch) -> dict:
+    """``--batch-runs``: the models of ``batch`` (one kind, several seeds) trained to their final checkpoints as one
+    batched model; ``{"outcomes": [train_trial's dict per model]}`` (``cpu_s``: each one's share)."""
+    for trial in batch.trials:
+        trial.estimate()
+    start = time.process_time()
+    results = train_runs([LoopedRun(trial.config, trial.looped) for trial in batch.trials], batched=True)
+    share = (time.process_time() - start) / len(batch.trials)
+    return {"outcomes": [{"wall_s": history["wall_s"], "cpu_s": share} for _, history in results]}
+
+
+def _trials(config: LoopedExperimentConfig) -> list[LoopedTrial]:
+    return [LoopedTrial(config, looped) for looped in ((True,) if config.skip_unlooped else (True, False))]
+
+
+def _train_trials(config: LoopedExperimentConfig, trials: list[LoopedTrial]) -> list[dict]:
+    """Every model trained to its final checkpoint: as trials (in parallel on Ray Tune), with ``--batch-runs`` the
+    models of one kind (the seeds of ``--seeds``) as batched models."""
+    batch_runs = config.batch_runs
+    if batch_runs == "auto":
+        batch_runs = _auto_batch_runs(config, trials)
+    return run_trial_batches(trials, train_trial, train_batch, sweep_options(config), batch_runs=batch_runs,
+                             key=lambda trial: trial.looped, name="looped",
+                             storage=Path(config.out_dir) / "ray")  # fmt: skip
+
+
+def _auto_batch_runs(config: LoopedExperimentConfig, trials: list[LoopedTrial]) -> int:
+    """``--batch-runs auto``: the lifecycle's measured probe of the looped model's runs at the last curriculum
+    stage (the most loops, the longest prompts)."""
+    per_kind = sum(1 for trial in trials if trial.looped)
+    if per_kind < 2:
+        return 1
+    late = dict(loops_start=config.loops_end, dims_start=config.n_dims, points_start=config.n_points,
+                grad_loops=min(config.grad_loops, config.loops_end))  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="icrl-batch-probe-") as folder:
+
+        def make_runs(count: int) -> list[LoopedRun]:
+            probe = [dataclasses.replace(config, **late, seed=seed, seeds=(), out_dir=f"{folder}/{count}-{seed}")
+                     for seed in range(count)]  # fmt: skip
+            return [LoopedRun(run, True) for run in probe]
+
+        return measure_batch_runs(make_runs, resolve_device(config.device), runs=per_kind,
+                                  share=sweep_options(config).trials_at_once(len(trials)))  # fmt: skip
+
+
+def _run_experiment(config: LoopedExperimentConfig, command: str | None, outcomes: list[dict] | None = None) -> dict:
+    """One seed's experiment: train both models (unless their ``outcomes`` are given, trained already), evaluate,
+    write its files, return its report."""
     out_dir = run_folder(config.out_dir)
-    # Both models train as trials (in parallel on Ray Tune); each ends with its final checkpoint, from which
-    # train_model below returns at once with the model and its history.
-    trials = [LoopedTrial(config, looped) for looped in ((True,) if config.skip_unlooped else (True, False))]
-    outcomes = run_trials(trials, train_trial, sweep_options(config), name="looped", storage=out_dir / "ray")
+    # Both models train as trials; each ends with its final checkpoint, from which train_model below returns at
+    # once with the model and its history.
+    trials = _trials(config)
+    if outcomes is None:
+        outcomes = _train_trials(config, trials)
     cpu_start = time.process_time()
     looped_model, looped_history = train_model(config, looped=True)
     unlooped_model, unlooped_history = (None, None) if config.skip_unlooped else train_model(config, looped=False)

@@ -84,13 +84,15 @@ import argparse
 import dataclasses
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from torch import nn
 
 from icrl_kernels.validation import check_int
 
@@ -99,23 +101,14 @@ from .._cli import command_line
 from .._cli import resolve_device as _resolve_device
 from ..analysis.markov import MarkovReport, g_markov, markov_heads
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser, torch_threads
-from ..cuda_graphs import (
-    CUDA_GRAPH_HELP,
-    StepRunner,
-    cuda_graph_mode,
-    pinned,
-    prepare_capturable,
-    set_learning_rate,
-    to_device,
-    use_cuda_graph,
-)
+from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode, to_device
 from ..envs import CueCorridor, DarkRoom, KeyToDoor, VisibleGoalDarkRoom
 from ..envs.base import BatchedEnv
 from ..generators import NoiseDistillation, RandomAgent, collect_histories
+from ..lifecycle import ReadingRun, Resumed, RunFolder, measure_batch_runs, train_runs
 from ..models.dt_moa import DecisionTransformerMoA, DTMoAConfig, TrajectoryWindows, dt_config_dict, rollout_dt
-from ..nonfinite import NONFINITE_HELP, NonFiniteGuard
+from ..nonfinite import NONFINITE_HELP
 from .harness import (
-    RunningLoss,
     StepCost,
     command_string,
     fill_from_preset,
@@ -128,7 +121,15 @@ from .harness import (
     write_results,
 )
 from .markov_report import format_summary, format_tables, grid_view, memory_pairs, plot_markov, plot_memory, summarize
-from .sweep import SweepOptions, reuse_or_run, run_trials, settings_key, sweep_options
+from .sweep import (
+    SweepOptions,
+    TrialBatch,
+    reuse_or_run,
+    reuse_or_run_batch,
+    run_trial_batches,
+    settings_key,
+    sweep_options,
+)
 
 PRESETS = ("cpu", "paper", "memory", "paper-memory")
 #: task name -> (horizon, what the observation lacks)
@@ -557,143 +558,165 @@ def _markov_summary(report: MarkovReport) -> dict:
     return {"markov_heads": report.heads(), "ratio": report.ratio, "diagonal_positive": report.diagonal_positive}
 
 
-def dt_train_step(model, optimizer, batch: dict[str, torch.Tensor], grad_clip: float, autocast) -> torch.Tensor:
-    """One AdamW step of the DT-MoA on a device batch (forward under ``autocast``, loss, backward, clipping);
-    returns ``[loss, grad_norm]`` (fp32, on the device; the norm before clipping). Reads no device value on the
-    host: capturable in a CUDA graph (``--cuda-graph``)."""
-    optimizer.zero_grad(set_to_none=True)
-    with autocast:
-        loss = model.loss(batch)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
-    return torch.stack([loss.detach().float(), grad_norm.float()])
+class MarkovRun(ReadingRun):
+    """One run of the experiment in the run lifecycle (:mod:`icrl_models.lifecycle`): a DT-MoA with context ``k``
+    on ``task``, from the seed's backbone, trained on the task's windows with the action cross-entropy; every
+    ``eval_every`` steps (and at the start and end) G_Markov is read on held-out windows, and the run is
+    checkpointed, so a killed run resumes (``<out_dir>/runs/<trial>/``); at the end the analysis and rollouts."""
+
+    def __init__(self, task: Task, k: int, seed: int, config: MarkovConfig, model_config: DTMoAConfig,
+                 backbone: dict, device: torch.device, *, folder: Path, identity: dict) -> None:  # fmt: skip
+        self.task, self.k, self.seed, self.config, self.backbone = task, k, seed, config, backbone
+        self.model_config = dataclasses.replace(
+            model_config, state_sizes=task.state_sizes, num_actions=task.num_actions, context_len=k
+        )
+        self.device, self.folder, self.identity = device, RunFolder(folder), identity
+        self.steps, self.cuda_graph, self.nonfinite = config.steps, config.cuda_graph, config.nonfinite
+        self.progress, self.grad_clip = config.progress, config.grad_clip
+        self.log_every = self.eval_every = self.checkpoint_every = config.eval_every
+
+    def prepare(self) -> None:
+        super().prepare()
+        config, task = self.config, self.task
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+        data_seed = task.data_seed(self.seed)
+        self.histories, self.data_returns, self.best = task_data(task, config, data_seed)
+        self.windows = TrajectoryWindows(self.histories, self.k)
+        # Analysis windows come from separately generated histories of the same tasks (held out).
+        held_out, _, _ = task_data(task, dataclasses.replace(config, progress=False), data_seed + 1)
+        self.sample = WINDOW_SAMPLERS[config.windows]
+        analysis = self.sample(TrajectoryWindows(held_out, self.k), config.analysis_windows,
+                               np.random.default_rng(data_seed))  # fmt: skip
+        self.analysis_batch = to_device(analysis, self.device)
+        self.rng = np.random.default_rng(self.seed + 7)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        model = DecisionTransformerMoA(self.model_config)
+        keys = model.load_state_dict(self.backbone, strict=False)
+        if keys.unexpected_keys or any(_is_backbone(name) for name in keys.missing_keys):
+            raise RuntimeError(f"backbone does not fit the task model: {keys}")
+        # The heads that are Markov at initialisation (a resumed run rebuilds its initial model to know them).
+        self.report_before = markov_heads(model)
+        self.init_mask = {i: self.report_before.mask(f"blocks.{i}.attn").to(self.device)
+                          for i in self.model_config.moa_layers}  # fmt: skip
+        return model
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        decay, no_decay = [], []
+        for name, parameter in model.named_parameters():
+            matrix = parameter.dim() >= 2 and "embed" not in name and "wpe" not in name
+            (decay if matrix else no_decay).append(parameter)
+        groups = [{"params": decay, "weight_decay": self.config.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+        return torch.optim.AdamW(groups, lr=self.config.learning_rate, betas=(0.9, 0.95))
+
+    def restore(self, resumed: Resumed) -> None:
+        resumed.restore_numpy(self.rng)
+
+    def random_state(self) -> dict:
+        return {"numpy": [self.rng.bit_generator.state]}
+
+    def learning_rate(self, step: int) -> float:
+        return learning_rate_at(step, self.config)
+
+    def next_batch(self, step: int) -> dict[str, torch.Tensor]:
+        return self.sample(self.windows, self.config.batch_size, self.rng)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model.loss(batch)
+
+    def evaluate(self, model: nn.Module, step: int) -> dict:
+        return {"g_markov": self.g_markov(model)}
+
+    def g_markov(self, model: nn.Module) -> dict[str, float]:
+        """G_Markov of every gated layer on the held-out windows, with the heads Markov at initialisation."""
+        gates = model.gate_weights(self.analysis_batch)
+        return {str(layer): float(g_markov(weights, self.init_mask[layer])) for layer, weights in gates.items()}
+
+    def finish(self, model: nn.Module, step: int) -> dict:
+        config, task, k, seed, device = self.config, self.task, self.k, self.seed, self.device
+        train_seconds = time.perf_counter() - getattr(self, "train_start", self.start)
+        readings, losses, skipped = self.readings("g_markov")
+        curve = {"step": [row["step"] for row in readings], "loss": losses,
+                 "g_markov": [row["g_markov"] for row in readings]}  # fmt: skip
+        analysis_batch, moa_layers = self.analysis_batch, self.model_config.moa_layers
+        model.eval()
+        report_after = markov_heads(model)
+        gates_all = model.gate_weights(analysis_batch, tokens="all")
+        gates_state = model.gate_weights(analysis_batch, tokens="state")
+        init_mask = self.init_mask
+        final_mask = {i: report_after.mask(f"blocks.{i}.attn").to(device) for i in moa_layers}
+        with torch.no_grad():
+            held_out_loss = float(model.loss(analysis_batch))
+        importance = model.head_importance(analysis_batch)
+
+        data_seed = task.data_seed(seed)
+        eval_env = task.env(config.eval_envs, data_seed + 99)
+        targets = np.array([self.best[int(t)] for t in eval_env.task_ids()])
+        model_returns = rollout_dt(model, eval_env, targets, sample=config.sample_actions, seed=seed)
+        random_env = task.env(config.eval_envs, data_seed + 99)
+        random_returns = collect_histories(random_env, RandomAgent(), 1, seed=seed, progress=False).episode_returns()
+        last_tenth = max(1, config.episodes_per_history // 10)
+        data_returns = self.data_returns
+        cue = {}
+        if task.corridor_length is not None:
+            # Reward 1 comes only on the cued end (and ends the episode), so a return of 1 is a success.
+            cue = {"success_rate": _success(model_returns), "success_rate_data": _success(data_returns),
+                   "success_rate_random": _success(random_returns)}  # fmt: skip
+        return {
+            "task": task.name,
+            "row": task.row,
+            "label": task.label,
+            "corridor_length": task.corridor_length,
+            "memory_need": task.memory_need,
+            "horizon": TASKS[task.name][0],
+            "k": k,
+            "seed": seed,
+            **cue,
+            "markov_before": _markov_summary(self.report_before),
+            "markov_after": _markov_summary(report_after),
+            "r": self.report_before.r,
+            "gate_weights_all_tokens": {str(layer): w.tolist() for layer, w in gates_all.items()},
+            "gate_weights_state_tokens": {str(layer): w.tolist() for layer, w in gates_state.items()},
+            "g_markov_init_heads": {str(layer): float(g_markov(w, init_mask[layer])) for layer, w in gates_all.items()},
+            "g_markov_init_heads_state_tokens": {
+                str(layer): float(g_markov(w, init_mask[layer])) for layer, w in gates_state.items()
+            },
+            "g_markov_final_heads": {
+                str(layer): float(g_markov(w, final_mask[layer])) for layer, w in gates_all.items()
+            },
+            "g_markov_at_init": curve["g_markov"][0],
+            "curve": curve,
+            "head_importance": importance.tolist(),
+            "final_train_loss": curve["loss"][-1],
+            "held_out_loss": held_out_loss,
+            "returns": {
+                "model": float(model_returns.mean()),
+                "data_mean": float(np.nanmean(data_returns)),
+                "data_last_tenth": float(np.nanmean(data_returns[:, -last_tenth:])),
+                "data_best_per_task_mean": float(np.mean(targets)),
+                "random": float(np.nanmean(random_returns)),
+                "optimal": float(eval_env.optimal_returns().mean()),
+            },
+            "num_transitions": len(self.windows),
+            "skipped_steps": skipped,
+            "train_seconds": train_seconds,
+            "wall_seconds": time.perf_counter() - self.start,
+            # Kept with the run: a rerun that reuses it still reports it (a batch's runs: their shares, below).
+            "cpu_seconds": time.process_time() - self.cpu_start,
+        }
 
 
 def run_task(
-    task: Task, k: int, seed: int, config: MarkovConfig, model_config: DTMoAConfig, backbone: dict, device
-) -> dict:
-    """Generate data, train one DT-MoA with context ``k`` on ``task``, analyse it; JSON-ready results."""
-    start, cpu_start = time.perf_counter(), time.process_time()
-    data_seed = task.data_seed(seed)
-    histories, data_returns, best = task_data(task, config, data_seed)
-    windows = TrajectoryWindows(histories, k)
-    # Analysis windows come from separately generated histories of the same tasks (held out).
-    held_out, _, _ = task_data(task, dataclasses.replace(config, progress=False), data_seed + 1)
-    analysis = TrajectoryWindows(held_out, k)
-    sample = WINDOW_SAMPLERS[config.windows]
-    analysis_batch = to_device(sample(analysis, config.analysis_windows, np.random.default_rng(data_seed)), device)
-
-    torch.manual_seed(seed)
-    model_config = dataclasses.replace(
-        model_config, state_sizes=task.state_sizes, num_actions=task.num_actions, context_len=k
-    )
-    model = DecisionTransformerMoA(model_config)
-    keys = model.load_state_dict(backbone, strict=False)
-    if keys.unexpected_keys or any(_is_backbone(name) for name in keys.missing_keys):
-        raise RuntimeError(f"backbone does not fit the task model: {keys}")
-    model.to(device)
-    report_before = markov_heads(model)
-    init_mask = {i: report_before.mask(f"blocks.{i}.attn").to(device) for i in model_config.moa_layers}
-
-    def g_markov_now() -> dict[str, float]:
-        gates = model.gate_weights(analysis_batch)
-        return {str(layer): float(g_markov(weights, init_mask[layer])) for layer, weights in gates.items()}
-
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        (decay if parameter.dim() >= 2 and "embed" not in name and "wpe" not in name else no_decay).append(parameter)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.learning_rate, betas=(0.9, 0.95),
-    )  # fmt: skip
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    graphed = use_cuda_graph(config.cuda_graph, device)
-    if graphed:  # the learning rate and step counters on the device, where the graph reads them
-        prepare_capturable(optimizer)
-    # Watches every step on the device; read at the G_Markov readings, where the loop reads the host anyway.
-    guard = NonFiniteGuard(model, optimizer, policy=config.nonfinite)
-    run_step = StepRunner(
-        lambda batch: dt_train_step(model, optimizer, batch, config.grad_clip, autocast), model, optimizer, device,
-        cuda_graph=graphed, fallback=config.cuda_graph == "auto", guard=guard,
-    )  # fmt: skip
-    rng = np.random.default_rng(seed + 7)
-    curve = {"step": [0], "loss": [float("nan")], "g_markov": [g_markov_now()]}
-    running = RunningLoss()
-    train_start = time.perf_counter()
-    model.train()
-    bar = tqdm(range(1, config.steps + 1), desc=f"{task.label} k={k} seed {seed}", disable=not config.progress)
-    for step in bar:
-        set_learning_rate(optimizer, learning_rate_at(step - 1, config))
-        running.add(run_step(pinned(sample(windows, config.batch_size, rng), device))[0])
-        if step % config.eval_every == 0 or step == config.steps:
-            skipped = guard.check()  # a diverged run ("stop") ends here, before its NaN loss is recorded
-            curve["step"].append(step)
-            curve["loss"].append(running.mean())
-            curve["g_markov"].append(g_markov_now())
-            bar.set_postfix(loss=f"{curve['loss'][-1]:.3f}", g_markov=str(curve["g_markov"][-1]))
-    bar.close()
-    train_seconds = time.perf_counter() - train_start
-
-    model.eval()
-    report_after = markov_heads(model)
-    gates_all = model.gate_weights(analysis_batch, tokens="all")
-    gates_state = model.gate_weights(analysis_batch, tokens="state")
-    final_mask = {i: report_after.mask(f"blocks.{i}.attn").to(device) for i in model_config.moa_layers}
-    with torch.no_grad():
-        held_out_loss = float(model.loss(analysis_batch))
-    importance = model.head_importance(analysis_batch)
-
-    eval_env = task.env(config.eval_envs, data_seed + 99)
-    targets = np.array([best[int(t)] for t in eval_env.task_ids()])
-    model_returns = rollout_dt(model, eval_env, targets, sample=config.sample_actions, seed=seed)
-    random_env = task.env(config.eval_envs, data_seed + 99)
-    random_returns = collect_histories(random_env, RandomAgent(), 1, seed=seed, progress=False).episode_returns()
-    last_tenth = max(1, config.episodes_per_history // 10)
-    cue = {}
-    if task.corridor_length is not None:
-        # Reward 1 comes only on the cued end (and ends the episode), so a return of 1 is a success.
-        cue = {"success_rate": _success(model_returns), "success_rate_data": _success(data_returns),
-               "success_rate_random": _success(random_returns)}  # fmt: skip
-    return {
-        "task": task.name,
-        "row": task.row,
-        "label": task.label,
-        "corridor_length": task.corridor_length,
-        "memory_need": task.memory_need,
-        "horizon": TASKS[task.name][0],
-        "k": k,
-        "seed": seed,
-        **cue,
-        "markov_before": _markov_summary(report_before),
-        "markov_after": _markov_summary(report_after),
-        "r": report_before.r,
-        "gate_weights_all_tokens": {str(layer): w.tolist() for layer, w in gates_all.items()},
-        "gate_weights_state_tokens": {str(layer): w.tolist() for layer, w in gates_state.items()},
-        "g_markov_init_heads": {str(layer): float(g_markov(w, init_mask[layer])) for layer, w in gates_all.items()},
-        "g_markov_init_heads_state_tokens": {
-            str(layer): float(g_markov(w, init_mask[layer])) for layer, w in gates_state.items()
-        },
-        "g_markov_final_heads": {str(layer): float(g_markov(w, final_mask[layer])) for layer, w in gates_all.items()},
-        "g_markov_at_init": curve["g_markov"][0],
-        "curve": curve,
-        "head_importance": importance.tolist(),
-        "final_train_loss": curve["loss"][-1],
-        "held_out_loss": held_out_loss,
-        "returns": {
-            "model": float(model_returns.mean()),
-            "data_mean": float(np.nanmean(data_returns)),
-            "data_last_tenth": float(np.nanmean(data_returns[:, -last_tenth:])),
-            "data_best_per_task_mean": float(np.mean(targets)),
-            "random": float(np.nanmean(random_returns)),
-            "optimal": float(eval_env.optimal_returns().mean()),
-        },
-        "num_transitions": len(windows),
-        "skipped_steps": skipped,
-        "train_seconds": train_seconds,
-        "wall_seconds": time.perf_counter() - start,
-        "cpu_seconds": time.process_time() - cpu_start,  # kept with the run: a rerun that reuses it still reports it
-    }
+    task: Task, k: int, seed: int, config: MarkovConfig, model_config: DTMoAConfig, backbone: dict, device,
+    *, folder: Path, identity: dict,
+) -> dict:  # fmt: skip
+    """Generate data, train one DT-MoA with context ``k`` on ``task`` (resuming its checkpoint in ``folder``, which
+    must match ``identity``), analyse it; JSON-ready results."""
+    (result,) = train_runs([MarkovRun(task, k, seed, config, model_config, backbone, device, folder=folder,
+                                      identity=identity)])  # fmt: skip
+    return result
 
 
 def _success(returns) -> float:
@@ -729,6 +752,33 @@ class MarkovTrial:
         corridor = "" if self.corridor_length is None else f"-c{self.corridor_length}"
         return Path(self.config.out_dir) / "runs" / f"seed{self.seed}-{self.task}{corridor}-k{self.k}.json"
 
+    @property
+    def out_dir(self) -> Path:
+        """The run's folder (its checkpoint and metrics while it trains): the result's path without ``.json``."""
+        return self.result_path().with_suffix("")
+
+    def shape(self) -> tuple:
+        """What runs of one batch share (``--batch-runs``): the task, corridor and context length; seeds differ."""
+        return (self.task, self.corridor_length, self.k)
+
+    def parts(self, *, quiet: bool = False) -> tuple[Task, DTMoAConfig, dict, torch.device]:
+        """The run's task, its seed's backbone (config and weights) and its device; says what it will cost."""
+        config = self.config
+        device = resolve_device(config.device)
+        if not quiet:
+            work = transformer_work(config.batch_size, 3 * self.k, config.n_layer, config.n_embd)  # rtg, state, action
+            corridor = "" if self.corridor_length is None else f" C={self.corridor_length}"
+            print_cpu_estimate(f"{self.task}{corridor} k={self.k}, seed {self.seed}",
+                               STEP_COST.estimate(config.steps, work), device=device)  # fmt: skip
+        model_config, backbone = _shared_backbone(config, self.seed)
+        return make_task(self.task, config, self.corridor_length), model_config, backbone, device
+
+    def run(self, *, quiet: bool = False) -> MarkovRun:
+        """This trial as a run of the lifecycle."""
+        task, model_config, backbone, device = self.parts(quiet=quiet)
+        return MarkovRun(task, self.k, self.seed, self.config, model_config, backbone, device, folder=self.out_dir,
+                         identity=self.key())  # fmt: skip
+
     def key(self) -> dict:
         """What the run's result depends on: the config without where and how it runs, and the run."""
         # nonfinite: a stored result is of a run that finished, under "stop" one with no non-finite step. seeds:
@@ -738,14 +788,17 @@ class MarkovTrial:
                             corridor_length=self.corridor_length, k=self.k)  # fmt: skip
 
 
-#: The last backbone built (config, seed) -> (model config, weights): the runs of one seed share it.
+#: The last backbones built (config, seed) -> (model config, weights): the runs of one seed share it (a batch of
+#: runs holds one per seed).
 _BACKBONE_CACHE: dict[str, tuple[DTMoAConfig, dict]] = {}
+_BACKBONES_KEPT = 16
 
 
 def _shared_backbone(config: MarkovConfig, seed: int) -> tuple[DTMoAConfig, dict]:
     key = json.dumps([dataclasses.asdict(config), seed], sort_keys=True, default=str)
     if key not in _BACKBONE_CACHE:
-        _BACKBONE_CACHE.clear()
+        if len(_BACKBONE_CACHE) >= _BACKBONES_KEPT:
+            _BACKBONE_CACHE.pop(next(iter(_BACKBONE_CACHE)))
         _BACKBONE_CACHE[key] = build_backbone(config, seed)
     return _BACKBONE_CACHE[key]
 
@@ -757,21 +810,55 @@ STEP_COST = StepCost(0.0247, transformer_work(32, 30, 2, 64), "markov-memory.jso
 
 def run_markov_trial(trial: MarkovTrial) -> dict:
     """Train and analyse one run (:func:`run_task`): ``{"result", "model_config"}``. The outcome is kept in
-    ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it."""
+    ``<out_dir>/runs/`` under :meth:`MarkovTrial.key`, so a rerun (or a resumed sweep) reuses it; a run killed
+    before its end resumes from its checkpoint (:attr:`MarkovTrial.out_dir`)."""
 
     def run() -> dict:
-        config = trial.config
-        work = transformer_work(config.batch_size, 3 * trial.k, config.n_layer, config.n_embd)  # rtg, state, action
-        corridor = "" if trial.corridor_length is None else f" C={trial.corridor_length}"
-        print_cpu_estimate(f"{trial.task}{corridor} k={trial.k}, seed {trial.seed}",
-                           STEP_COST.estimate(config.steps, work), device=resolve_device(config.device))  # fmt: skip
-        model_config, backbone = _shared_backbone(trial.config, trial.seed)
-        task = make_task(trial.task, trial.config, trial.corridor_length)
-        result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone,
-                          resolve_device(trial.config.device))  # fmt: skip
+        task, model_config, backbone, device = trial.parts()
+        result = run_task(task, trial.k, trial.seed, trial.config, model_config, backbone, device,
+                          folder=trial.out_dir, identity=trial.key())  # fmt: skip
         return {"result": result, "model_config": dt_config_dict(model_config)}
 
     return reuse_or_run(trial.result_path(), trial.key(), run)
+
+
+def run_markov_batch(batch: TrialBatch) -> dict:
+    """``--batch-runs``: the runs of ``batch`` (one task, corridor and ``k``; seeds differ) trained as one batched
+    model, each kept as :func:`run_markov_trial` keeps it; ``{"outcomes": [...]}`` in the batch's order."""
+    trials = batch.trials
+
+    def run(indices: list[int]) -> list[dict]:
+        start = time.process_time()
+        runs = [trials[index].run() for index in indices]
+        results = train_runs(runs, batched=True)
+        for result in results:  # the batch's process time, shared among its runs
+            result["cpu_seconds"] = (time.process_time() - start) / len(results)
+        configs = [_shared_backbone(trials[index].config, trials[index].seed)[0] for index in indices]
+        return [{"result": result, "model_config": dt_config_dict(model_config)}
+                for result, model_config in zip(results, configs)]  # fmt: skip
+
+    paths, keys = [trial.result_path() for trial in trials], [trial.key() for trial in trials]
+    return {"outcomes": reuse_or_run_batch(paths, keys, run)}
+
+
+def _batch_size(config: MarkovConfig, trials: Sequence[MarkovTrial]) -> int:
+    """``--batch-runs`` as a number of runs; ``auto`` measures steps of fresh runs of the first trial's shape on a
+    small dataset (:func:`~icrl_models.lifecycle.measure_batch_runs`)."""
+    if config.batch_runs != "auto" or len(trials) < 2:
+        return 1 if config.batch_runs == "auto" else config.batch_runs
+    trial = trials[0]
+    small = dataclasses.replace(config, num_histories=max(2, len(make_task(trial.task, config, trial.corridor_length)
+                                                                 .task_ids)), episodes_per_history=2,
+                                analysis_windows=8, progress=False)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="icrl-batch-probe-") as folder:
+
+        def make_runs(count: int) -> list[MarkovRun]:
+            probe = dataclasses.replace(small, out_dir=f"{folder}/{count}")
+            return [MarkovTrial(probe, seed, trial.task, trial.corridor_length, trial.k).run(quiet=True)
+                    for seed in range(count)]  # fmt: skip
+
+        return measure_batch_runs(make_runs, resolve_device(config.device), runs=len(trials),
+                                  share=sweep_options(config).trials_at_once(len(trials)))  # fmt: skip
 
 
 def output_stem(config: MarkovConfig) -> str:
@@ -802,7 +889,9 @@ def _run_experiment(config: MarkovConfig, command: str | None) -> dict:
         # The raw results so far, before any summary: a later crash (or a NaN) loses no finished run.
         write_results(out_dir, stem, {**report, **times()}, None, command=command, machine=machine)
 
-    run_trials(trials, run_markov_trial, sweep_options(config), name=stem, storage=out_dir / "ray", on_outcome=record)
+    run_trial_batches(trials, run_markov_trial, run_markov_batch, sweep_options(config),
+                      batch_runs=_batch_size(config, trials), key=MarkovTrial.shape, name=stem, storage=out_dir / "ray",
+                      on_outcome=record)  # fmt: skip
     results = report["results"]
     report.update(summary=summarize(results), memory_pairs=memory_pairs(results), complete=True, **times())
     files = [f"{stem}.json", f"{stem}.md"]

@@ -39,7 +39,8 @@ The protocol of the N-gram paper (Zisman et al., 2024), Figures 2 and 3:
   sweep where the CPU budget allowed a third seed for one setting only.
 * **One model** (``--models ad`` or ``--models ngram_ad``): only that model's trials run, and the tables and
   plots show it alone; for example AD on a larger data budget than the one N-Gram AD was measured on.
-* **Batched runs** (``--batch-runs K``, or ``auto``: as many as the device's memory holds, 4 on a CPU): up to
+* **Batched runs** (``--batch-runs K``, or ``auto``: the K a short measured probe of throughput finds fastest,
+  within the device's memory; 1 where batching does not pay): up to
   ``K`` unfinished runs of one model shape (model, sequence length, pre-norm, qk-norm, ...) train as one
   batched model (``icrl_models.batched``), each with its own data stream, hyperparameters, checkpoint,
   metrics and evaluation in its own run folder, equal to its single run up to fp32 rounding (dropout masks
@@ -79,13 +80,12 @@ from pathlib import Path
 import numpy as np
 
 from .._cli import command_line
-from ..batched import CPU_AUTO_BATCH, RunBatch, auto_batch_runs, group_runs, train_batched
 from ..config import add_config_arguments, as_tuple, config_from_args, make_parser
 from ..cuda_graphs import CUDA_GRAPH_HELP, cuda_graph_mode
 from ..data.generate import ENV_NAMES
 from ..envs.splits import DEFAULT_NUM_TRAIN_TASKS
 from ..nonfinite import NONFINITE_HELP, check_nonfinite_policy
-from ..train import TrainConfig, train
+from ..train import RunBatch, TrainConfig, auto_batch_runs, group_runs, train, train_batched
 from .harness import (
     cached_dataset,
     command_string,
@@ -259,13 +259,6 @@ class CompareConfig(SweepOptions):
     nonfinite: str = dataclasses.field(
         default="stop", metadata={"help": f"each run's {NONFINITE_HELP}; a stopped run is a failed trial"}
     )
-    batch_runs: str = dataclasses.field(
-        default="1",
-        metadata={"help": "train up to K runs of one model shape (sequence length, pre-norm, qk-norm, model) as one "
-                  "batched model, each with its own data, hyperparameters, folder and results; auto: as many as "
-                  f"the device's memory takes (a CPU: {CPU_AUTO_BATCH}). Default 1: one run at a time",
-                  "metavar": "K"},
-    )  # fmt: skip
     reuse_results: tuple[str, ...] = dataclasses.field(
         default=(),
         metadata={"help": "earlier result files of icrl-compare (.json) whose trials are taken instead of training "
@@ -290,7 +283,6 @@ class CompareConfig(SweepOptions):
             raise ValueError(f"hyperparameters must be one of {HYPERPARAMETERS}, got {self.hyperparameters!r}")
         if self.hyperparameters == "defaults":
             self.runs = 1  # one fixed assignment: more runs would repeat the same training
-        self.batch_runs = parse_batch_runs(self.batch_runs)
         self.ngram_sizes = as_tuple(self.ngram_sizes, int, "ngram_sizes")
         self.models = as_tuple(self.models, str, "models")
         if not self.models or len(set(self.models)) != len(self.models) or not set(self.models) <= set(MODELS):
@@ -473,7 +465,7 @@ def run_trial(config: TrainConfig) -> dict:
 
 
 def run_trial_batch(batch: RunBatch) -> dict:
-    """``--batch-runs``: train the runs of ``batch`` as one batched model (:func:`~icrl_models.batched.train_batched`;
+    """``--batch-runs``: train the runs of ``batch`` as one batched model (:func:`~icrl_models.train.train_batched`;
     a batch of one run is :func:`run_trial`) and score each; ``{"outcomes": [run_trial's dict per run]}``."""
     configs = [dataclasses.replace(config, threads=batch.threads) for config in batch.configs]
     if len(configs) == 1:
@@ -484,19 +476,6 @@ def run_trial_batch(batch: RunBatch) -> dict:
             estimate = train_run_cpu_seconds(config)
             print_cpu_estimate(f"{config.model} run {config.out_dir}", estimate, device=config.device)
     return {"outcomes": [_outcome(summary, done) for summary, done in zip(train_batched(configs), finished)]}
-
-
-def parse_batch_runs(value) -> int | str:
-    """``--batch-runs``: an int >= 1 (a string of one) or ``"auto"``; a ``ValueError`` naming the flag otherwise."""
-    if value == "auto":
-        return value
-    try:
-        count = int(value) if isinstance(value, str) else value
-    except ValueError:
-        count = None
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"batch_runs must be an int >= 1 or 'auto', got {value!r}")
-    return count
 
 
 def _outcome(summary: dict, finished: bool) -> dict:
@@ -634,11 +613,11 @@ def compare(config: CompareConfig, *, command: str | None = None) -> dict:
 
 
 def _batch_size(config: CompareConfig, configs: Sequence[TrainConfig]) -> int:
-    """``--batch-runs`` as a number of runs: ``auto`` asks :func:`~icrl_models.batched.auto_batch_runs`, which
-    shares the device's memory among the batches that run at once (worker processes)."""
+    """``--batch-runs`` as a number of runs: ``auto`` measures (:func:`~icrl_models.train.auto_batch_runs`, which
+    shares the device's memory among the batches that run at once, worker processes)."""
     if config.batch_runs != "auto":
         return config.batch_runs
-    return auto_batch_runs(configs[0], share=sweep_options(config).trials_at_once(len(configs)))
+    return auto_batch_runs(configs[0], runs=len(configs), share=sweep_options(config).trials_at_once(len(configs)))
 
 
 @command_line("icrl-compare")

@@ -7,15 +7,25 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..files import save_figure
 from .harness import format_stats, pyplot
 
-if TYPE_CHECKING:
-    from .ngram_ad import CompareConfig
+
+class ReportedSweep(Protocol):
+    """What the report reads of the sweep's config (:class:`icrl_models.experiments.ngram_ad.CompareConfig`),
+    named here so that the report does not import the protocol module that imports it."""
+
+    env: str
+    hyperparameters: str
+    steps: int
+    runs: int
+
+    def model_names(self) -> dict[str, str]: ...
+
 
 #: Display titles of the environments.
 ENV_TITLES = {"dark_room": "Dark Room", "key_to_door": "Key-to-Door"}
@@ -27,13 +37,13 @@ def _emp_rows(runs: int) -> list[int]:
     return rows if rows[-1] == runs else [*rows, runs]
 
 
-def _setting_title(config: CompareConfig, setting: dict) -> str:
+def _setting_title(config: ReportedSweep, setting: dict) -> str:
     env = ENV_TITLES.get(config.env, config.env)
     goals = "" if setting["train_goals"] is None else f" {setting['train_goals']} training goals,"
     return f"{env}:{goals} {setting['num_histories']} histories"
 
 
-def _score_caption(config: CompareConfig) -> str:
+def _score_caption(config: ReportedSweep) -> str:
     if config.hyperparameters == "defaults":
         return (
             f"Fraction of the source's final return with icrl-train's default hyperparameters ({config.steps} "
@@ -45,7 +55,7 @@ def _score_caption(config: CompareConfig) -> str:
     )
 
 
-def markdown_tables(config: CompareConfig, result: dict) -> str:
+def markdown_tables(config: ReportedSweep, result: dict) -> str:
     """Per setting: EMP at n = 1, 2, 4, ... runs (mean ± sd over seeds), the best single run, the source's numbers."""
     models = config.model_names()
     parts = []
@@ -112,7 +122,7 @@ def _short(assignment: dict) -> str:
             f"subsample {a['episode_subsample']}")  # fmt: skip
 
 
-def trial_table(config: CompareConfig, result: dict) -> str:
+def trial_table(config: ReportedSweep, result: dict) -> str:
     """One row per trial: setting, seed, model, assignment, score, success rate, status."""
     names = config.model_names()
     lines = ["## Trials", "", "| goals | histories | seed | model | # | config | score | success | status |",
@@ -126,7 +136,7 @@ def trial_table(config: CompareConfig, result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
+def plot_emp(config: ReportedSweep, result: dict, path: Path) -> None:
     """One panel per setting: EMP against assignments for both models, mean line and a ± sd band over seeds."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
@@ -170,7 +180,7 @@ def plot_emp(config: CompareConfig, result: dict, path: Path) -> None:
     save_figure(figure, path)
 
 
-def plot_against_budget(config: CompareConfig, result: dict, path: Path) -> None:
+def plot_against_budget(config: ReportedSweep, result: dict, path: Path) -> None:
     """Fixed hyperparameters: each model's score against the data budget that varies (training goals, else
     histories), mean ± sd over seeds with every seed's score as a dot, and the random policy's level; where
     the environment has a success rate (Key-to-Door), a second panel shows it the same way beside the

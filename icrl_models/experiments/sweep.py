@@ -45,6 +45,7 @@ from icrl_kernels.validation import check_int
 
 from .._checks import check_float
 from .._cli import ReportedFailure
+from ..batched import BATCH_RUNS_HELP, parse_batch_runs
 from ..config import torch_threads
 from ..files import write_json
 from ..nonfinite import TrainingDiverged
@@ -90,6 +91,9 @@ class SweepOptions:
         default=0,
         metadata={"help": "trials at a time with --scheduler processes (0: the CPUs here / trial_cpus)"},
     )
+    batch_runs: str = dataclasses.field(
+        default="1", metadata={"help": f"{BATCH_RUNS_HELP}. Default 1: one run at a time", "metavar": "K"}
+    )
 
     def __post_init__(self) -> None:
         if self.scheduler not in SCHEDULERS:
@@ -99,6 +103,7 @@ class SweepOptions:
         if self.trial_gpus is not None and not check_float(self.trial_gpus, "trial_gpus") >= 0:
             raise ValueError(f"trial_gpus must be >= 0, got {self.trial_gpus}")
         self.workers = check_int(self.workers, "workers", min_value=0)
+        self.batch_runs = parse_batch_runs(self.batch_runs)
         if self.scheduler == "ray" and not ray_tune_available():
             raise ValueError("scheduler='ray' needs Ray Tune: pip install 'icrl-kernels[sweep]'")
 
@@ -169,6 +174,60 @@ def run_trials(
         _raise_failed(configs, outcomes, errors, "trials failed")
         return outcomes  # type: ignore[return-value]
     return _run_on_ray(configs, runner, options, name=name, storage=Path(storage), on_outcome=on_outcome)
+
+
+@dataclass
+class TrialBatch:
+    """Trials of one shape trained as one batched model (``--batch-runs``): one trial of a scheduler."""
+
+    trials: tuple
+
+    @property
+    def out_dir(self) -> str:
+        """The trials' folders (a failed batch names them)."""
+        return ", ".join(str(getattr(trial, "out_dir", index)) for index, trial in enumerate(self.trials))
+
+
+def run_trial_batches(
+    trials: Sequence[Any],
+    run_one: Callable[[Any], dict],
+    run_batch: Callable[[TrialBatch], dict],
+    options: SweepOptions,
+    *,
+    batch_runs: int,
+    key: Callable[[Any], Any],
+    name: str,
+    storage: str | Path,
+    on_outcome: Callable[[int, dict], None] | None = None,
+) -> list[dict]:
+    """:func:`run_trials` of ``trials``, with up to ``batch_runs`` trials of equal ``key(trial)`` (one shape) handed
+    out as one :class:`TrialBatch` that ``run_batch`` trains as one batched model (``{"outcomes": [...]}`` in the
+    batch's order); ``run_one`` runs a batch of one, or every trial when ``batch_runs`` is 1. Outcomes come back in
+    the trials' order, ``on_outcome`` called per trial."""
+    if batch_runs == 1 or len(trials) < 2:
+        return run_trials(trials, run_one, options, name=name, storage=storage, on_outcome=on_outcome)
+    groups: dict[Any, list[list[int]]] = {}
+    batches: list[list[int]] = []
+    for index, trial in enumerate(trials):
+        open_batches = groups.setdefault(json.dumps(key(trial), default=str), [])
+        if not open_batches or len(open_batches[-1]) == batch_runs:
+            open_batches.append([])
+            batches.append(open_batches[-1])
+        open_batches[-1].append(index)
+    print(f"icrl: {len(trials)} runs in {len(batches)} batches (--batch-runs {batch_runs})", file=sys.stderr)
+    work = [TrialBatch(tuple(trials[i] for i in batch)) for batch in batches]
+
+    def report(index: int, outcome: dict) -> None:
+        for member, member_outcome in zip(batches[index], outcome["outcomes"]):
+            if on_outcome is not None:
+                on_outcome(member, member_outcome)
+
+    ran = run_trials(work, run_batch, options, name=name, storage=storage, on_outcome=report)
+    outcomes: list[dict | None] = [None] * len(trials)
+    for batch, result in zip(batches, ran):
+        for member, outcome in zip(batch, result["outcomes"]):
+            outcomes[member] = outcome
+    return outcomes  # type: ignore[return-value]
 
 
 def _ray_trial(params: dict, *, configs: Sequence[Any], runner: Callable[[Any], dict], threads: int) -> None:
@@ -319,6 +378,23 @@ def settings_key(config: Any, run_only: Sequence[str] = (), **run: Any) -> dict:
     where = {*run_only, *(field.name for field in dataclasses.fields(SweepOptions))}
     settings = {name: value for name, value in dataclasses.asdict(config).items() if name not in where}
     return json.loads(json.dumps({**settings, **run}))
+
+
+def reuse_or_run_batch(paths: Sequence[str | Path], keys: Sequence[dict], run: Callable[[list[int]], list[dict]]):
+    """:func:`reuse_or_run` of several trials trained together: the outcomes stored under their keys are read
+    back, ``run(indices)`` trains the others at once (their outcomes in that order), each then stored."""
+    outcomes: list[dict | None] = [None] * len(paths)
+    for index, (path, key) in enumerate(zip(paths, keys)):
+        if Path(path).exists():
+            stored = json.loads(Path(path).read_text())
+            if stored.get("key") == key:
+                outcomes[index] = stored["outcome"]
+    missing = [index for index, outcome in enumerate(outcomes) if outcome is None]
+    if missing:
+        for index, outcome in zip(missing, run(missing)):
+            write_json(paths[index], {"key": keys[index], "outcome": outcome}, indent=None)
+            outcomes[index] = outcome
+    return outcomes
 
 
 def reuse_or_run(path: str | Path, key: dict, run: Callable[[], dict]) -> dict:

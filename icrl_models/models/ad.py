@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from icrl_kernels import NGramAttention, transition_ids
 from icrl_kernels.validation import check_generator, check_int
@@ -184,6 +185,30 @@ class KVCache:
         self.valid[:, slot] = True
         self.count += 1
         return self.keys, self.values, self.valid
+
+
+def register_decode_state(cls: type, tensors: tuple[str, ...]) -> type:
+    """Register the decoding-state class ``cls`` as a pytree whose leaves are its attributes ``tensors`` (tensors,
+    or lists of other registered states); every other attribute (host-side step counts, sizes) is its context.
+    ``torch.func.vmap`` then takes a state of many models' decoders as it is (each tensor with a leading model
+    dimension: :meth:`icrl_models.batched.StackedRuns.decode_step`) and returns the updated one. Returns ``cls``."""
+
+    def flatten(state) -> tuple[list, tuple]:
+        return [getattr(state, name) for name in tensors], tuple(
+            (name, value) for name, value in vars(state).items() if name not in tensors
+        )
+
+    def unflatten(values, context: tuple):
+        state = cls.__new__(cls)
+        state.__dict__.update(context)
+        state.__dict__.update(zip(tensors, values))
+        return state
+
+    pytree.register_pytree_node(cls, flatten, unflatten)
+    return cls
+
+
+register_decode_state(KVCache, ("keys", "values", "valid"))
 
 
 class MLP(nn.Sequential):
@@ -388,6 +413,9 @@ class ADDecodeState:
                 )
 
 
+register_decode_state(ADDecodeState, ("layers",))
+
+
 def action_loss(
     logits: torch.Tensor, batch: dict[str, torch.Tensor], label_smoothing: float | torch.Tensor = 0.0
 ) -> torch.Tensor:
@@ -430,5 +458,5 @@ def count_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "ADConfig", "ADDecodeState", "ADModel", "KVCache", "action_loss", "choose_actions", "count_parameters",
-    "masked_cross_entropy",
+    "masked_cross_entropy", "register_decode_state",
 ]  # fmt: skip

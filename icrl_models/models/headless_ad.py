@@ -48,7 +48,7 @@ from icrl_kernels import ActionMap
 from icrl_kernels.validation import check_generator, check_int
 
 from .._checks import check_float
-from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields
+from .ad import ADModel, Block, CausalSelfAttention, KVCache, check_backbone_fields, register_decode_state
 
 #: How a step becomes tokens: one joint token, or separate action, reward and state tokens.
 STEP_TOKENS = ("joint", "separate")
@@ -347,5 +347,7 @@ class HeadlessDecodeState:
                     )  # fmt: skip
                 )
 
+
+register_decode_state(HeadlessDecodeState, ("layers",))
 
 __all__ = ["HeadlessADConfig", "HeadlessADModel", "HeadlessDecodeState", "PromptedSelfAttention"]
