@@ -479,7 +479,7 @@ def test_torch_compile_fullgraph_matches_eager(backend, algorithm, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="traced kernels run on CUDA only (not the interpreter)")
-@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS, ids=lambda name: f"triton-{name}")  # the parity stage's ids
 def test_torch_compile_traces_into_the_kernels(algorithm):
     """On CUDA the ops are ``triton_op``s: AOTAutograd's forward and backward graphs hold the Triton kernels
     (``triton_kernel_wrapper_functional``) and the torch ops around them, not an opaque ``icrl`` op, and the
