@@ -994,13 +994,13 @@ def test_checks_run_once_per_signature(monkeypatch):
     """A repeated argument signature skips the argument checks (one lookup); a change of any shape, dtype or
     device, or of an option's value or type, is a new signature, checked in full. Bad input raises at every
     call, also right after the same call with good input (``tau=True`` after ``tau=1.0``: equal, not the same)."""
-    from icrl_kernels.contrastive import checks
+    from icrl_kernels.contrastive import checks, function
 
     calls = []
     real = checks.check_pred_and_map
     monkeypatch.setattr(checks, "check_pred_and_map", lambda *args: calls.append(args) or real(*args))
-    checks.infonce_plan.cache.clear()  # no signature of an earlier test
-    checks.select_plan.cache.clear()
+    function._infonce_plan.cache.clear()  # no signature of an earlier test
+    function._select_plan.cache.clear()
     args = _base_args()
     for _ in range(3):
         infonce_loss(**args, backend="eager")

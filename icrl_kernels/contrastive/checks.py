@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from .._backend import resolve_backend
-from .._library import checked_per_signature
 from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -72,7 +71,6 @@ class Plan(NamedTuple):
     ignore_index: int
 
 
-@checked_per_signature
 def infonce_plan(
     pred: object,
     action_embeds: object,
@@ -85,8 +83,8 @@ def infonce_plan(
     backend: object,
 ) -> Plan:
     """The argument checks of :func:`~icrl_kernels.infonce_loss` (and, with ``backend="reference"``, its checked
-    reference), once per argument signature (:func:`icrl_kernels._library.checked_per_signature`: a repeated
-    signature costs one lookup; a new one is checked in full, no tensor value read). Arguments positional.
+    reference), reading no tensor value: the public functions run them once per argument signature
+    (``function._infonce_plan``, :func:`icrl_kernels._library.checked_per_signature`; arguments positional).
 
     Raises:
         TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); ``targets`` not an integer
@@ -109,12 +107,12 @@ def infonce_plan(
     return Plan(impl, num_actions, mask_shape, tau, ignore_index)
 
 
-@checked_per_signature
 def select_plan(
     pred: object, action_embeds: object, mode: object, tau: object, mask: object, algorithm: object, backend: object
 ) -> Plan:
     """The argument checks of :func:`~icrl_kernels.select_actions` but the generator's (the caller checks it: any
-    generator object, not part of the signature), once per argument signature (as :func:`infonce_plan`).
+    generator object, not part of the signature), once per argument signature (``function._select_plan``, as
+    :func:`infonce_plan`).
 
     Raises:
         TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); an unknown ``mode``,

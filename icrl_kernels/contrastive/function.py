@@ -3,7 +3,7 @@
 Two ops, ``icrl::infonce_loss`` (with ``icrl::infonce_loss_backward``) and ``icrl::select_actions``, each
 running the algorithm its ``impl`` argument names, an entry of ``algorithms.ALGORITHMS`` (one table: the four
 Triton algorithms and the eager path). The public functions check their arguments once per signature
-(``checks.infonce_plan``), choose the algorithm and call the op: the op's forward calls the entry, whose
+(``checks.infonce_plan``, cached), choose the algorithm and call the op: the op's forward calls the entry, whose
 launcher launches.
 
 ``icrl::infonce_loss`` returns the *reduced* loss, so that with ``reduction="mean"`` or ``"sum"`` the forward
@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .._library import differentiable_op, inference_op
+from .._library import checked_per_signature, differentiable_op, inference_op
 from .._validation import check_generator, check_positive_float, check_values
 from . import reference
 from .algorithms import (
@@ -355,6 +355,11 @@ select_actions_op.register_vmap(_select_vmap)
 
 
 # -- public functions ------------------------------------------------------------------------------
+#: The argument checks (the backend and the algorithm decided there), once per argument signature.
+_infonce_plan = checked_per_signature(infonce_plan)
+_select_plan = checked_per_signature(select_plan)
+
+
 def infonce_loss(
     pred: torch.Tensor,
     action_embeds: torch.Tensor,
@@ -409,7 +414,7 @@ def infonce_loss(
             value checks (targets, mask rows) run on the device: on CUDA they are asynchronous device asserts
             (see ``set_value_checks``).
     """
-    plan = infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, algorithm, backend)
+    plan = _infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, algorithm, backend)
     impl = plan.impl
     if impl == "reference":
         return _checked_infonce_reference(plan, pred, action_embeds, targets, tau, mask, reduction, ignore_index)
@@ -460,7 +465,7 @@ def select_actions(
     """
     if generator is not None:  # any generator object: not part of the signature
         check_generator(generator)
-    plan = select_plan(pred, action_embeds, mode, tau, mask, algorithm, backend)
+    plan = _select_plan(pred, action_embeds, mode, tau, mask, algorithm, backend)
     impl = plan.impl
     sample = mode == "sample"
     if impl == "reference":
@@ -555,7 +560,7 @@ def infonce_loss_reference(
         ``tau``, ``reduction``, ``ignore_index``; targets out of range or unavailable and mask rows with
         no action through ``check_values`` (an asynchronous device assert on CUDA).
     """
-    plan = infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, AUTO, "reference")
+    plan = _infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, AUTO, "reference")
     return _checked_infonce_reference(plan, pred, action_embeds, targets, tau, mask, reduction, ignore_index)
 
 
