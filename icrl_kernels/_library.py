@@ -344,6 +344,46 @@ def unfold_first(output: Any, size: int) -> tuple[Any, Any]:
     return split[0], 0
 
 
+def _fold_cpu_flash_attention(
+    size: int,
+    in_dims: tuple,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Any, Any]:
+    """vmap rule of ``F.scaled_dot_product_attention``'s CPU flash kernel: the ``size`` slices folded into its
+    batch, ``[size * B, H, L, E]``, one call (torch has no rule for this kernel: its fallback calls it once per
+    slice, and its backward zero-fills and adds a whole ``[size, B, H, L, E]`` gradient per slice). Rows of
+    the kernel are independent, so each slice gets its own call's values exactly. The mask, 2-D ``[L, S]`` or
+    4-D ``[B or 1, H or 1, L, S]`` per slice (the shapes this kernel takes), broadcasts as it does per slice.
+    The kernel has no dropout (it refuses ``dropout_p > 0`` itself), so no random stream is involved."""
+    (q_dim, k_dim, v_dim, *_), kwarg_dims = in_dims
+    query, key, value = (vmapped_first(t, dim, size) for t, dim in ((query, q_dim), (key, k_dim), (value, v_dim)))
+    batch = query.shape[1]
+    mask_dim = kwarg_dims.get("attn_mask")
+    if attn_mask is not None and (mask_dim is not None or (attn_mask.dim() == 4 and attn_mask.shape[0] != 1)):
+        # A mask whose batch differs per slice (or per row): [size, B or 1, H or 1, L, S], then one per row.
+        mask = vmapped_first(attn_mask, mask_dim, size)
+        mask = mask.reshape(size, *(1,) * (5 - mask.dim()), *mask.shape[1:])
+        attn_mask = mask.expand(size, batch, *mask.shape[2:]).reshape(size * batch, *mask.shape[2:])
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(t.reshape(size * batch, *t.shape[2:]) for t in (query, key, value)),
+        dropout_p,
+        is_causal,
+        attn_mask=attn_mask,
+        scale=scale,
+    )
+    return unfold_first((out, logsumexp), size)
+
+
+compat.register_aten_vmap("_scaled_dot_product_flash_attention_for_cpu", _fold_cpu_flash_attention)
+
+
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
     """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient of an absent
     input, or one nobody asked for) becomes an empty tensor of the first tensor argument's dtype and device,

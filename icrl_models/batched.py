@@ -10,8 +10,9 @@ whose every launch does K runs' work; :func:`icrl_models.lifecycle.train_runs` t
   parameter and computes with the *existing* model code: ``torch.func.vmap`` over the runs of
   ``torch.func.functional_call`` of one template, the architecture without values. There is no second copy of
   the architecture. The ops take the run dimension as more batch rows (or heads) through their vmap rules
-  (``icrl_kernels``: n-gram attention, MoA gating, gated attention, the looped block, smeared keys; SDPA's own
-  on CUDA). Decoding states are pytrees, so a state of K models' decoders goes through ``vmap`` as it is.
+  (``icrl_kernels``: n-gram attention, MoA gating, gated attention, the looped block, smeared keys, and SDPA's
+  CPU flash kernel; SDPA's own on CUDA). Decoding states are pytrees, so a state of K models' decoders goes
+  through ``vmap`` as it is.
 * **Per-run everything else.** Each run keeps its seed and data stream, learning rate and schedule, weight
   decay (per parameter group), betas, gradient clipping (its own norm), dropout rates (:class:`RunDropout`),
   optimiser state (:class:`RunAdamW`, read from and written as the run's own ``torch.optim`` state), run folder,
@@ -37,7 +38,6 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -45,14 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
-
-# On a CPU, SDPA's flash kernel has no vmap rule: vmap runs it once per run (and says so). In a rough A/B on
-# the shared 2-core VM (K = 4, N-Gram AD width 64, contexts 100 and 200; other jobs running) that per-run loop
-# was faster per step than the math kernel vmap batches, and it is the single run's own kernel: the warning
-# is left out.
-warnings.filterwarnings(
-    "ignore", message=r".*batching rule for aten::_scaled_dot_product_flash_attention_for_cpu", category=UserWarning
-)
 
 
 # -- which runs batch together ------------------------------------------------------------------------------

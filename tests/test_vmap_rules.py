@@ -154,3 +154,61 @@ def test_vmap_rule_launches_once_and_gives_each_run_its_single_call(monkeypatch,
     loss = sum((outs[i] * weights[i][k]).sum() for k, outs in enumerate(looped) for i in range(len(outs)))
     for got, want, x in zip(grads, torch.autograd.grad(loss, wanted), wanted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, x=x: f"{tuple(x.shape)}: {m}")
+
+
+def _sdpa_cases():
+    """``(name, make(generator) -> (inputs, in_dims), keyword arguments)`` of SDPA on the CPU (its flash kernel)."""
+    S = L + 2  # keys longer than queries: the mask's last two dimensions differ
+
+    def qkv(g, shared=()):
+        shapes = {"q": (B, H, L, DH), "k": (B, H, S, DH), "v": (B, H, S, DH)}
+        return [_random(*shape, generator=g) if name in shared else _random(K, *shape, generator=g)
+                for name, shape in shapes.items()], [None if name in shared else 0 for name in shapes]  # fmt: skip
+
+    def case(mask_shape=None, mask_vmapped=False, shared=(), **kwargs):
+        def make(g):
+            inputs, dims = qkv(g, shared)
+            if mask_shape is not None:
+                mask = _random(*((K,) if mask_vmapped else ()), *mask_shape, generator=g)
+                inputs, dims = [*inputs, mask], [*dims, 0 if mask_vmapped else None]
+            return inputs, dims
+
+        return make, kwargs
+
+    return [
+        ("no mask", *case()),
+        ("shared key and value", *case(shared=("k", "v"))),
+        ("shared query, scale", *case(shared=("q",), scale=0.3)),
+        ("shared [L, S] mask", *case((L, S))),
+        ("shared per-row mask", *case((B, 1, L, S))),
+        ("per-run [L, S] mask", *case((L, S), True)),
+        ("per-run [1, H, L, S] mask", *case((1, H, L, S), True)),
+        ("per-run boolean-like [B, 1, 1, S] mask", *case((B, 1, 1, S), True)),
+    ]
+
+
+@pytest.mark.parametrize("make, kwargs", [pytest.param(m, kw, id=name) for name, m, kw in _sdpa_cases()])
+def test_cpu_sdpa_under_vmap_runs_once_and_gives_each_run_its_single_call(make, kwargs):
+    """torch has no vmap rule for SDPA's CPU flash kernel (its fallback calls it per run, and its backward adds a
+    zero-filled gradient of all runs per run); icrl_kernels folds the runs into the kernel's batch."""
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    generator = torch.Generator().manual_seed(0)
+    inputs, in_dims = make(generator)
+    qkv = [x.requires_grad_() for x in inputs[:3]]  # a mask that needs a gradient sends SDPA to its math kernel
+
+    def attention(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+    weight = torch.randn(K, B, H, L, DH, generator=generator)
+    with profile() as prof:
+        mapped = torch.vmap(attention, in_dims=tuple(in_dims))(*inputs)
+        grads = torch.autograd.grad((mapped * weight).sum(), qkv)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == 1  # per run: K calls
+    looped = [attention(*[x if dim is None else x[k] for x, dim in zip(inputs, in_dims)]) for k in range(K)]
+    torch.testing.assert_close(mapped, torch.stack(looped), rtol=1e-6, atol=1e-6)
+    loss = sum((out * weight[k]).sum() for k, out in enumerate(looped))
+    for got, want in zip(grads, torch.autograd.grad(loss, qkv)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
