@@ -14,6 +14,7 @@ operator: slower, never wrong.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -144,16 +145,20 @@ _VMAP_ENTRIES = ("peek_interpreter_stack", "CVmapInterpreterPtr", "_unwrap_batch
 _vmap_libraries: list = []
 
 
-def register_aten_vmap(name: str, rule: Callable[..., tuple[Any, Any]]) -> bool:
+def register_aten_vmap(
+    name: str, rule: Callable[..., tuple[Any, Any] | None], decomposition: Callable[..., Any] | None = None
+) -> bool:
     """Make ``rule`` the ``torch.func.vmap`` rule of the aten operator ``name`` (an overload's name, e.g.
     ``"_scaled_dot_product_flash_attention_for_cpu"``), in place of torch's (or of its per-slice fallback).
 
     ``rule(size, in_dims, *args, **kwargs)`` is called as a ``torch.library.register_vmap`` rule is: every tensor
     argument unwrapped (positional or keyword), ``size`` the vmapped size, ``in_dims`` shaped like ``(args,
     kwargs)`` with each tensor's vmapped dimension (None for a tensor that is not vmapped, and for non-tensors);
-    it returns ``(outputs, out_dims)``. Calls where no tensor is vmapped run the operator itself. Returns
-    False, registering nothing (vmap keeps torch's own behaviour: slower, never wrong), where this torch lacks
-    one of the entries."""
+    it returns ``(outputs, out_dims)``, or None for a call it leaves to ``decomposition(*args, **kwargs)``, which
+    gets the vmapped arguments themselves (torch's own rule for such calls, written with other operators: a
+    registered rule replaces torch's for every call). Calls where no tensor is vmapped run the operator itself.
+    Returns False, registering nothing (vmap keeps torch's own behaviour: slower, never wrong), where this torch
+    lacks one of the entries."""
     if _functorch is None or _BATCHED_KEY is None or not all(hasattr(_functorch, e) for e in _VMAP_ENTRIES):
         return False  # pragma: no cover - depends on the torch version
     from torch.utils import _pytree as pytree
@@ -174,9 +179,12 @@ def register_aten_vmap(name: str, rule: Callable[..., tuple[Any, Any]]) -> bool:
         with _C._ExcludeDispatchKeyGuard(excluded):
             if all(dim is None for dim in dims):
                 return overload(*args, **kwargs)
-            args, kwargs = pytree.tree_unflatten(unwrapped, spec)
             size = _functorch.CVmapInterpreterPtr(interpreter).batchSize()
-            outputs, out_dims = rule(size, pytree.tree_unflatten(dims, spec), *args, **kwargs)
+            plain_args, plain_kwargs = pytree.tree_unflatten(unwrapped, spec)
+            ruled = rule(size, pytree.tree_unflatten(dims, spec), *plain_args, **plain_kwargs)
+        if ruled is None:
+            return decomposition(*args, **kwargs)
+        outputs, out_dims = ruled
         flat_outputs, out_spec = pytree.tree_flatten(outputs)
         flat_dims = pytree._broadcast_to_and_flatten(out_dims, out_spec)
         wrapped = [
@@ -186,6 +194,8 @@ def register_aten_vmap(name: str, rule: Callable[..., tuple[Any, Any]]) -> bool:
         return pytree.tree_unflatten(wrapped, out_spec)
 
     library = torch.library.Library("aten", "IMPL")
-    library.impl(name, batched_kernel, "FuncTorchBatched")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": torch's rule, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl(name, batched_kernel, "FuncTorchBatched")
     _vmap_libraries.append(library)
     return True
