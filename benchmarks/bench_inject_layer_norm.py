@@ -14,9 +14,9 @@ implementation:
 
 Bytes and FLOPs: :func:`benchmarks.cost.looped.inject_layer_norm_fwd_bwd_cost`, the minimum of a
 fused implementation: the forward reads ``y`` and ``prompt`` and writes ``hidden`` and ``normed``; the
-backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and writes ``d_y`` and ``d_prompt`` (two
-tensors, since both require grad): ``9 * B * L * D`` elements, plus ``pos`` and its gradient
-(``2 * L * D``), the LayerNorm parameters and the fp32 row statistics. Shapes are the looped
+backward reads ``hidden``, ``d_hidden`` and ``d_normed`` and writes ``d_x`` (the one gradient of ``y`` and
+``prompt``): ``8 * B * L * D`` elements, plus ``pos`` and its gradient (``2 * L * D``) and the LayerNorm
+parameters (the row statistics are recomputed in registers, never stored). Shapes are the looped
 transformer's (Yang et al.: GPT-2 block, D = 256; L = 2k + 1 tokens for k = 40 to 100 in-context
 examples; batch 64).
 

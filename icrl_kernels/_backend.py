@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
@@ -24,9 +25,45 @@ Backend = Literal["auto", "triton", "eager", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton", "eager", "reference")
 
 
+_INTERPRET_VARIABLE = "TRITON_INTERPRET"
+_TRUE_VALUES = ("1", "true", "yes", "on")
+# Every op's argument checks read the flag on every call with CPU tensors (``backend="auto"`` depends on it),
+# and ``os.environ.get`` runs five Python frames (Mapping.get, __getitem__, the key's encoding, the value's
+# decoding): about 3 us of a 45 us call in ``benchmarks/dispatch_overhead.py``. CPython's ``os.environ`` keeps
+# its encoded items in a plain dict (``os._Environ._data``, updated by every write through ``os.environ``, as
+# ``monkeypatch.setenv`` does): the usual spellings are looked up there directly; any other value, and a
+# Python without that dict, go through ``os.environ.get``. ``tests/test_dispatch.py`` checks that both agree.
+_ENVIRON_ITEMS = getattr(os.environ, "_data", None)
+if _ENVIRON_ITEMS is not None:
+    _INTERPRET_KEY = os.environ.encodekey(_INTERPRET_VARIABLE)
+    #: The flag of each usual spelling, by its encoded value.
+    _FLAG_OF_VALUE = {
+        os.environ.encodevalue(value): value in _TRUE_VALUES for value in (*_TRUE_VALUES, "0", "false", "no", "off", "")
+    }
+
+
+#: ``interpreter_setting()``: a value that changes whenever ``TRITON_INTERPRET`` does (its raw setting, or
+#: None), for cache keys (:func:`icrl_kernels._library.checked_per_signature`); a dict lookup called from C,
+#: no Python frame.
+interpreter_setting: Callable[[], object]
+if _ENVIRON_ITEMS is not None:
+    interpreter_setting = functools.partial(_ENVIRON_ITEMS.get, _INTERPRET_KEY)
+
+
 def triton_interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to run kernels on the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    """True when ``TRITON_INTERPRET`` asks Triton to run kernels on the CPU interpreter (read at each call)."""
+    if _ENVIRON_ITEMS is not None:
+        value = _ENVIRON_ITEMS.get(_INTERPRET_KEY)
+        if value is None:
+            return False
+        flag = _FLAG_OF_VALUE.get(value)
+        if flag is not None:
+            return flag
+    return os.environ.get(_INTERPRET_VARIABLE, "0").strip().lower() in _TRUE_VALUES
+
+
+if _ENVIRON_ITEMS is None:  # pragma: no cover - CPython always has it
+    interpreter_setting = triton_interpreter_enabled
 
 
 #: Looked up once: ``torch.compile`` cannot trace ``importlib.util.find_spec`` (a graph break, an error

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import _torch_compat as compat
-from ._backend import triton_available, triton_interpreter_enabled
+from ._backend import interpreter_setting, triton_available, triton_interpreter_enabled
 
 NAMESPACE = "icrl"
 
@@ -60,7 +60,12 @@ _fast_dispatch = compat.FAST_PATH_SUPPORTED and os.environ.get("ICRL_FAST_DISPAT
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_is_compiling = torch.compiler.is_compiling
+#: Argument types of an op call that are certainly not tensor subclasses.
+_PLAIN_ARGUMENT_TYPES = frozenset((*_PLAIN_TENSOR_TYPES, type(None), bool, int, float, str, torch.dtype, torch.device))
+#: Whether Dynamo is tracing (constant-folded to True there). ``torch.compiler.is_compiling`` also covers
+#: non-Dynamo tracing, which the probes below see anyway (its modes, its fake tensors), and costs a second
+#: Python frame (``torch.jit.is_scripting``) on every eager call.
+_is_compiling = torch.compiler.is_dynamo_compiling
 _grad_enabled = torch.is_grad_enabled
 _dispatch_mode_depth = compat.dispatch_mode_depth
 _function_mode_enabled = compat.function_mode_enabled
@@ -121,7 +126,8 @@ def set_fast_dispatch(enabled: bool) -> bool:
 
 #: Distinct argument signatures :func:`checked_per_signature` remembers per op before it starts over.
 SIGNATURES_PER_OP = 256
-_HASHABLE_VALUE_TYPES = (str, int, float, bool, torch.dtype, torch.device)
+#: Argument types of a signature kept with their type (``1``, ``1.0`` and ``True`` are equal keys otherwise).
+_TAGGED_VALUE_TYPES = frozenset((int, float, bool, torch.dtype, torch.device))
 
 T = TypeVar("T")
 
@@ -129,14 +135,15 @@ T = TypeVar("T")
 def checked_per_signature(check: Callable[..., T]) -> Callable[..., T]:
     """``check(*args)`` (an op's argument checks and backend choice) run once per argument signature.
 
-    The signature of a call is, for each argument, a tensor's shape, strides, dtype and device, or the value
-    of a ``str`` / ``int`` / ``float`` / ``bool`` / ``None`` / dtype / device (with its type: ``1``, ``1.0``
-    and ``True`` differ), plus, off CUDA, whether Triton's interpreter is on (``backend="auto"`` depends on
-    it there: one read of ``TRITON_INTERPRET``, about 1 us, which CUDA tensors skip). A call
+    The signature of a call is, for each argument, a tensor's shape, dtype and device, or the value of a
+    ``str`` / ``int`` / ``float`` / ``bool`` / ``None`` / dtype / device (with its type: ``1``, ``1.0`` and
+    ``True`` differ), plus the setting of ``TRITON_INTERPRET`` (on CPU tensors ``backend="auto"`` depends on
+    it; :func:`icrl_kernels._backend.interpreter_setting`, a dict lookup). A call
     with a signature seen before returns the result that ``check`` returned then, in O(1); a check that
     raised left nothing behind, so bad input raises the same error every time. Checks may read only what
-    the signature holds (shapes, dtypes, devices, option values), never tensor values (those go through
-    :func:`icrl_kernels._validation.check_values` inside the op) nor global state.
+    the signature holds (shapes, dtypes, devices, option values), never strides (every op takes any
+    strides; the launchers' configs key on them), tensor values (those go through
+    :func:`icrl_kernels._validation.check_values` inside the op) or global state.
 
     Calls that cannot be keyed run ``check`` every time: an argument of another type (a list, an
     ``NGramPlan``, a tensor subclass such as a fake or functional tensor, whose sizes may be symbolic),
@@ -148,21 +155,17 @@ def checked_per_signature(check: Callable[..., T]) -> Callable[..., T]:
     def checked(*args: Any) -> T:
         if _is_compiling():
             return check(*args)
-        key = []
-        device = None
+        key = [interpreter_setting()]
         for arg in args:
             kind = type(arg)
             if kind is _Tensor or kind is _Parameter:
-                device = arg.device
-                key.append((arg.shape, arg.stride(), arg.dtype, device))
-            elif kind in _HASHABLE_VALUE_TYPES:
+                key.append((arg.shape, arg.dtype, arg.device))
+            elif kind is str or arg is None:  # equal only to itself
+                key.append(arg)
+            elif kind in _TAGGED_VALUE_TYPES:
                 key.append((kind, arg))
-            elif arg is None:
-                key.append(None)
             else:
                 return check(*args)
-        if device is not None and device.type != "cuda":  # Triton runs on CUDA whatever the interpreter
-            key.append(triton_interpreter_enabled())
         key = tuple(key)
         try:
             return cache[key]
@@ -202,12 +205,14 @@ def uses_triton_op(traceable: bool = True) -> bool:
 def _plain_eager_call(args: tuple) -> bool:
     """True when nothing but plain eager execution can observe this call, so that running the op's Python
     implementation directly is indistinguishable from going through the dispatcher."""
-    if not _fast_dispatch or _is_compiling():  # Dynamo constant-folds is_compiling(): this stays traceable
+    if not _fast_dispatch or _is_compiling():  # Dynamo constant-folds the probe: this stays traceable
         return False
     if _dispatch_mode_depth() or _function_mode_enabled() or _jit_tracing_state() is not None:
         return False  # FakeTensorMode, FunctionalTensorMode, make_fx, opcheck, `with torch.device(...)`, jit
     if _functorch_transform() is not None:
         return False  # vmap / grad / jvp wrap plain-looking tensors
+    if _PLAIN_ARGUMENT_TYPES.issuperset(map(type, args)):  # the usual call, checked without a Python loop
+        return True
     for arg in args:
         if isinstance(arg, _Tensor) and type(arg) not in _PLAIN_TENSOR_TYPES:
             return False  # FakeTensor, FunctionalTensor, DTensor, ... dispatch on their own
@@ -482,20 +487,24 @@ def differentiable_op(
         name: op name inside the ``icrl`` namespace.
         forward: the real forward, fully type-annotated (the schema is inferred from it).
         forward_fake: shapes/dtypes of the forward's outputs, for FakeTensor tracing.
-        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated. A ``None`` among the
-            grads (an absent optional input's, or with ``pass_needs_grad`` one nobody asked for) reaches
-            autograd as ``None``; the registered backward op returns an empty tensor in its place
-            (:func:`first_tensor`'s dtype and device), as its fake must too.
+        backward: ``backward(*grad_outputs, *saved) -> grads``, fully type-annotated. It must return ``None``
+            for the gradient of an absent (``None``) input, and may for one nobody asked for (with
+            ``pass_needs_grad``); autograd receives ``None`` there, and the registered backward op returns an
+            empty tensor in its place (:func:`first_tensor`'s dtype and device), as its fake must too.
         backward_fake: fake implementation of ``backward``.
         save: ``save(inputs, output) -> saved``: the values (tensors or Python scalars/strings) that
             ``backward`` needs after the forward's gradients.
         grad_inputs: for each gradient ``backward`` returns, the index of the forward input it belongs
-            to; every other input gets ``None``.
+            to, or a tuple of indices for one gradient that several inputs share (``y`` and ``prompt`` of
+            ``y + prompt``: autograd hands the one tensor to each, as for torch's own add, and the registered
+            backward op returns it once, since outputs of a custom op may not alias); every other input gets
+            ``None``.
         differentiable_outputs: how many leading outputs of a tuple-returning forward receive
             gradients (the rest, e.g. integer side outputs saved for the backward, are not passed on).
-        pass_needs_grad: append ``needs_grad: list[bool]`` (one flag per entry of ``grad_inputs``) to
-            the backward's arguments, so it can skip gradients nobody asked for; it returns ``None`` (or any
-            tensor) in their place, and autograd receives ``None`` for them.
+        pass_needs_grad: append ``needs_grad: list[bool]`` (whether each input named in ``grad_inputs``
+            needs a gradient, in order, the inputs of a shared gradient one by one) to
+            the backward's arguments, so it can skip gradients nobody asked for; it returns ``None`` in their
+            place (or, for a tensor input, any tensor: autograd drops it).
         traceable: ``forward`` and ``backward`` use only torch ops and kernel launches through
             :func:`icrl_kernels._triton.launch`, with no host read of a tensor value and no
             data-dependent output shape, so ``torch.compile`` may trace into them: both ops are then
@@ -519,7 +528,19 @@ def differentiable_op(
     """
     forward_op = _register(name, forward, forward_fake, traceable)
     backward_op = _register(f"{name}_backward", _nones_as_empty(backward), backward_fake, traceable)
-    grad_inputs = tuple(grad_inputs)
+    # (input index, position among the backward's gradients) of every input that gets a gradient, in order
+    # (inputs that share one gradient are each listed); ``needs_grad`` has one flag per route.
+    routes = tuple(
+        (index, position)
+        for position, entry in enumerate(grad_inputs)
+        for index in (entry if isinstance(entry, tuple) else (entry,))
+    )
+    flagged = tuple(index for index, _ in routes)
+    # The usual layout, gradients for the leading inputs in order: their flags are a slice of autograd's, and
+    # without shared gradients (``aligned``) backward's gradients are autograd's, padded with None.
+    leading = len(flagged) if flagged == tuple(range(len(flagged))) else None
+    aligned = leading is not None and len(routes) == len(grad_inputs)
+    padding = (None,) * (len(inspect.signature(forward).parameters) - len(routes))
 
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         if not materialize_grads:
@@ -534,42 +555,46 @@ def differentiable_op(
         # Non-tensors are kept as they are, tensors (saved above) as a marker.
         ctx.constants = [_SAVED_TENSOR if isinstance(value, _Tensor) else value for value in saved]
 
-    def gradients(ctx: Any, grad_outputs: tuple, run_backward: Callable[..., Any]) -> tuple:
+    def gradients(ctx: Any, *grad_outputs: Any, fast: bool = False) -> tuple:
+        """The backward of both autograd paths: through the registered backward op, or with ``fast`` (the
+        eager fast path's ``autograd.Function``) through ``backward`` itself, except where create_graph=True
+        (grad mode on) or a mode or subclass now active could see the difference (double backward, tracing)."""
+        direct = fast and not _grad_enabled() and _plain_eager_call(grad_outputs)
         if saved_tensors is not None:
             saved = (*ctx.saved_tensors, *ctx.constants)
         else:
             tensors = iter(ctx.saved_tensors)
             saved = [next(tensors) if value is _SAVED_TENSOR else value for value in ctx.constants]
         flags = ctx.needs_input_grad
-        needs = [flags[index] for index in grad_inputs]
-        extra = (needs,) if pass_needs_grad else ()
-        grads = _as_tuple(run_backward(*grad_outputs[:differentiable_outputs], *saved, *extra))
-        result: list[Any] = [None] * len(flags)
-        for index, grad, needed in zip(grad_inputs, grads, needs):
-            if needed:
-                result[index] = grad
+        if pass_needs_grad:
+            needs = flags[:leading] if leading is not None else tuple(flags[index] for index in flagged)
+            grads = (backward if direct else backward_op)(*grad_outputs[:differentiable_outputs], *saved, needs)
+        else:
+            grads = (backward if direct else backward_op)(*grad_outputs[:differentiable_outputs], *saved)
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        if direct and aligned:
+            # backward's own gradients, one per leading input: None for an absent input (and, with
+            # pass_needs_grad, for one nobody asked for); autograd drops any for an input that needs none.
+            return (*grads, *padding)
+        result: list[Any] = [None] * len(flags)  # the registered op's placeholders become None here
+        for index, position in routes:
+            if flags[index]:
+                result[index] = grads[position]
         return tuple(result)
 
-    def autograd_backward(ctx: Any, *grad_outputs: Any) -> tuple:
-        return gradients(ctx, grad_outputs, backward_op)
-
-    forward_op.register_autograd(autograd_backward, setup_context=setup_context)
-
-    def fast_backward(ctx: Any, *grad_outputs: Any) -> tuple:
-        # create_graph=True (grad mode on) or a mode/subclass now active: the registered backward op, whose
-        # behaviour (no double backward, tracing) the fast path must not change.
-        direct = not _grad_enabled() and _plain_eager_call(grad_outputs)
-        return gradients(ctx, grad_outputs, backward if direct else backward_op)
+    forward_op.register_autograd(gradients, setup_context=setup_context)
 
     # The registered op's autograd without the dispatcher: ``forward`` itself, the same setup_context and
-    # backward. Named ``<name>_fast`` so that its grad_fn reads ``<name>_fastBackward``.
+    # backward (a partial: no Python frame of its own). Named ``<name>_fast`` so that its grad_fn reads
+    # ``<name>_fastBackward``.
     function = type(
         f"{name}_fast",
         (torch.autograd.Function,),
         {
             "forward": staticmethod(forward),
             "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(fast_backward),
+            "backward": staticmethod(functools.partial(gradients, fast=True)),
         },
     )
     return _with_fast_call(forward_op, name, forward, compat.direct_apply(function)), backward_op

@@ -76,6 +76,7 @@ def imported_autotuned_kernels() -> list:
 
 
 _wrap_triton = torch.library.wrap_triton
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
 def launch(kernel, grid):
@@ -88,14 +89,11 @@ def launch(kernel, grid):
     calls launch directly. Under ``TRITON_INTERPRET=1`` kernels are never wrapped: the interpreter runs them
     on the host at once (it cannot run on fake tensors).
     """
-    if _tracing() and not triton_interpreter_enabled():
+    # Tracing: a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active (the
+    # other tracers torch.compiler.is_compiling covers run under such modes; it costs two Python frames).
+    if (dispatch_mode_depth() > 0 or _is_dynamo_compiling()) and not triton_interpreter_enabled():
         return _wrap_triton(kernel)[grid]
     return kernel[grid]
-
-
-def _tracing() -> bool:
-    """Whether a dispatch mode (fake, functional or proxy tensors, or a user mode) or Dynamo is active."""
-    return dispatch_mode_depth() > 0 or torch.compiler.is_compiling()
 
 
 def per_signature(fn: Callable[..., Any]) -> Callable[..., Any]:

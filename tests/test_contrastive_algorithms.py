@@ -346,7 +346,7 @@ def test_an_outlier_row_changes_no_other_row(algorithm, device):
 
 
 @pytest.mark.parametrize("algorithm,device", NEW_PATHS)
-def test_bad_values_raise_as_on_the_fused_path(algorithm, device):
+def test_value_checks_raise_as_on_the_fused_path(algorithm, device):
     """Out-of-range targets, masked targets and mask rows with no action raise the fused path's errors,
     from the status the new kernels write; a masked ignore_index is fine."""
     gen = torch.Generator().manual_seed(67)

@@ -479,7 +479,7 @@ def test_torch_compile_fullgraph_matches_eager(backend, algorithm, device):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="traced kernels run on CUDA only (not the interpreter)")
-@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
+@pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS, ids=lambda name: f"triton-{name}")  # the parity stage's ids
 def test_torch_compile_traces_into_the_kernels(algorithm):
     """On CUDA the ops are ``triton_op``s: AOTAutograd's forward and backward graphs hold the Triton kernels
     (``triton_kernel_wrapper_functional``) and the torch ops around them, not an opaque ``icrl`` op, and the
@@ -516,77 +516,6 @@ def test_torch_compile_traces_into_the_kernels(algorithm):
         targets_called = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
         assert any("triton_kernel_wrapper" in name for name in targets_called), targets_called
         assert not any(name.startswith("icrl.") for name in targets_called), targets_called
-
-
-_TRACE_INTO_KERNELS = """
-import json
-
-import torch
-import triton
-from functorch.compile import make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from triton.backends.compiler import GPUTarget
-
-import icrl_kernels as ik
-from icrl_kernels import _backend, _library
-
-assert _library.uses_triton_op(True), "no triton_op registration in this process"
-_backend.triton_runs_on = lambda device: True  # CPU tensors take the Triton backend: traced, never run
-
-
-class OfflineDriver:  # the target torch's trace lowers each kernel for (to find the arguments it writes)
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-
-triton.runtime.driver.set_active(OfflineDriver())
-targets, embeds = torch.randint(0, 7, (2, 5)), torch.randn(7, 16)
-
-
-def stand_in(gm, example_inputs):  # zeros of the graph's output shapes: the traced kernels need a GPU to run
-    outputs = [getattr(node, "meta", {}).get("val") for node in gm.graph.output_node().args[0]]
-    graphs.append(gm)
-    return make_boxed_func(lambda *args: [torch.zeros(o.shape, dtype=o.dtype) if isinstance(o, torch.Tensor) else o
-                                          for o in outputs])
-
-
-for algorithm in ("small", "fused", "row_chunks", "action_chunks"):
-    calls = {
-        "infonce_loss": lambda p: ik.infonce_loss(p, embeds, targets, tau=0.7, backend="triton", algorithm=algorithm),
-        "select_actions": lambda p: ik.select_actions(p, embeds, backend="triton", algorithm=algorithm),
-    }
-    for op, call in calls.items():
-        graphs = []
-        torch._dynamo.reset()
-        compiled = torch.compile(call, fullgraph=True, backend=aot_autograd(fw_compiler=stand_in, bw_compiler=stand_in))
-        out = compiled(torch.randn(2, 5, 16, requires_grad=op == "infonce_loss"))
-        if out.requires_grad:
-            out.float().sum().backward()
-        names = [[str(node.target) for node in gm.graph.nodes if node.op == "call_function"] for gm in graphs]
-        kernels = [sum("triton_kernel_wrapper" in name for name in graph) for graph in names]
-        icrl_ops = [name for graph in names for name in graph if name.startswith("icrl.")]
-        print(json.dumps({"case": f"{op}-{algorithm}", "kernels": kernels, "icrl_ops": icrl_ops}))
-"""
-
-
-@pytest.mark.slow  # a fresh Python compiles eight functions (about 20 s)
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test compiles and runs the ops for real")
-def test_traceable_ops_compile_into_their_kernels():
-    """Without the interpreter the ops are ``triton_op``s: ``torch.compile(fullgraph=True)`` of each algorithm of
-    both public functions has no graph break and traces through the op into its Triton kernels: the forward
-    graph (and the loss's backward graph) hold kernels and no ``icrl`` op (sampling: the seed drawn in the graph
-    too). Traced, not run (no GPU here); the compiled values are checked under the interpreter above."""
-    from benchmarks.kernel_tools import run_offline_compile
-
-    reports = {report["case"]: report for report in run_offline_compile(_TRACE_INTO_KERNELS)}
-    assert set(reports) == {f"{op}-{algorithm}" for op in ("infonce_loss", "select_actions")
-                            for algorithm in INFONCE_ALGORITHMS}  # fmt: skip
-    for case, report in reports.items():
-        assert not report["icrl_ops"], report
-        graphs = report["kernels"]
-        assert len(graphs) == (2 if case.startswith("infonce") else 1) and graphs[0] >= 1, report
-        if case == "infonce_loss-fused":  # the backward kernels (the small and chunked ones scale in the backward)
-            assert graphs[1] >= 1, report
 
 
 def test_torch_compile_fullgraph_with_mask():
@@ -1065,12 +994,13 @@ def test_checks_run_once_per_signature(monkeypatch):
     """A repeated argument signature skips the argument checks (one lookup); a change of any shape, dtype or
     device, or of an option's value or type, is a new signature, checked in full. Bad input raises at every
     call, also right after the same call with good input (``tau=True`` after ``tau=1.0``: equal, not the same)."""
-    from icrl_kernels.contrastive import checks
+    from icrl_kernels.contrastive import checks, function
 
     calls = []
     real = checks.check_pred_and_map
     monkeypatch.setattr(checks, "check_pred_and_map", lambda *args: calls.append(args) or real(*args))
-    monkeypatch.setattr(checks, "_PLANS", {})
+    function._infonce_plan.cache.clear()  # no signature of an earlier test
+    function._select_plan.cache.clear()
     args = _base_args()
     for _ in range(3):
         infonce_loss(**args, backend="eager")

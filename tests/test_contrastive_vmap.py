@@ -82,7 +82,7 @@ def test_infonce_under_vmap_equals_each_run_alone(backend, algorithm, device, la
 
 @pytest.mark.parametrize("device", triton_devices())
 @pytest.mark.parametrize("algorithm", INFONCE_ALGORITHMS)
-def test_runs_cost_one_calls_launches(monkeypatch, algorithm, device):
+def test_vmapped_runs_dispatch_one_calls_launches(monkeypatch, algorithm, device):
     """Under ``vmap`` the runs are one call of the kernels: a forward and backward of ``RUNS`` runs launch what
     one run's call launches (the run dimension is folded into the kernels' grid), for both ops."""
     from icrl_kernels.contrastive import chunked_kernels, fused_kernels, small_kernels

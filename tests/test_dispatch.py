@@ -9,6 +9,7 @@ operator. Both paths run the same Python implementations, so outputs and gradien
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -130,16 +131,19 @@ def test_fast_path_matches_dispatcher_exactly(impl, case):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_side_outputs_match(impl):
-    """The op's non-differentiable side outputs (inject_layer_norm's mean/rstd) behave the same on both paths."""
-    from icrl_kernels.looped.function import inject_layer_norm_op
+    """An op's non-differentiable side outputs (infonce_loss's log-sum-exps and the gradients its forward
+    computed) behave the same on both paths."""
+    from icrl_kernels.contrastive.algorithms import EAGER, FUSED
+    from icrl_kernels.contrastive.function import infonce_op
 
     g = _gen(3)
-    y, p = (torch.randn(2, 3, 8, generator=g, requires_grad=True) for _ in range(2))
-    w, b = torch.ones(8, requires_grad=True), torch.zeros(8)
+    pred, embeds = torch.randn(2, 5, 8, generator=g, requires_grad=True), torch.randn(7, 8, generator=g)
+    targets = torch.randint(0, 7, (2, 5), generator=g)
+    algorithm = EAGER if impl == "eager" else FUSED
     results = []
     for fast in (True, False):
         with fast_dispatch(fast):
-            results.append(inject_layer_norm_op(y, p, None, w, b, 1e-5, impl))
+            results.append(infonce_op(pred, embeds, targets, None, 1.0, -100, "mean", 1, True, False, algorithm))
     for fast, slow in zip(*results):
         assert fast.requires_grad == slow.requires_grad and torch.equal(fast, slow)
 
@@ -168,16 +172,16 @@ def test_needs_grad_skipping_on_fast_path(impl, wanted, monkeypatch):
 
         original = kernels.inject_layer_norm_backward_triton
 
-        def spy(*args, **kwargs):
-            seen.append(tuple(kwargs[k] for k in ("want_y", "want_prompt", "want_pos", "want_weight", "want_bias")))
-            return original(*args, **kwargs)
+        def spy(*args):
+            seen.append(args[5])  # wants: d_x (y and prompt), d_pos, d_weight, d_bias
+            return original(*args)
 
         monkeypatch.setattr(kernels, "inject_layer_norm_backward_triton", spy)
     else:
         original = looped.inject_layer_norm_backward_eager
 
         def spy(*args):
-            seen.append(args[6:9])  # want_weight, want_bias, want_pos
+            seen.append(args[5:8])  # want_weight, want_bias, want_pos
             return original(*args)
 
         monkeypatch.setattr(looped, "inject_layer_norm_backward_eager", spy)
@@ -190,7 +194,7 @@ def test_needs_grad_skipping_on_fast_path(impl, wanted, monkeypatch):
     assert type(normed.grad_fn).__name__ == "inject_layer_norm_fastBackward"
     flags = [i in wanted for i in range(5)]
     if impl == "triton":
-        assert seen == [tuple(flags)]
+        assert seen == [(flags[0] or flags[1], flags[2], flags[3], flags[4])]
     else:
         assert seen == [(flags[3], flags[4], flags[2])]
     for index, tensor in enumerate(inputs):
@@ -412,6 +416,14 @@ cases = {
     "gated_attention": (lambda: leaves((2, 3, 5, 16), (2, 3, 5, 16), (2, 3, 5, 16), (2, 5, 3), (3,)),
                         lambda q, k, v, g, a: ik.gated_attention(q, k, v, g, smear_alpha=a, backend="triton")),
 }
+targets, embeds = torch.randint(0, 7, (2, 5)), torch.randn(7, 16)
+for algorithm in ("small", "fused", "row_chunks", "action_chunks"):  # each InfoNCE algorithm, both ops
+    cases[f"infonce_loss-{algorithm}"] = (
+        lambda: leaves((2, 5, 16)),
+        lambda p, a=algorithm: ik.infonce_loss(p, embeds, targets, tau=0.7, backend="triton", algorithm=a))
+    cases[f"select_actions-{algorithm}"] = (  # sampling: the seed is drawn in the graph too
+        lambda: [torch.randn(2, 5, 16)],
+        lambda p, a=algorithm: ik.select_actions(p, embeds, backend="triton", algorithm=a))
 
 
 def stand_in(gm, example_inputs):
@@ -427,38 +439,45 @@ for name, (make_inputs, call) in cases.items():
     torch._dynamo.reset()
     compiled = torch.compile(call, fullgraph=True, backend=aot_autograd(fw_compiler=stand_in, bw_compiler=stand_in))
     out = compiled(*make_inputs())
-    out.float().sum().backward()
-    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    print(json.dumps({"case": name, "graphs": len(graphs),
-                      "kernels": sum("triton_kernel_wrapper" in target for target in targets),
-                      "icrl_ops": [target for target in targets if target.startswith("icrl.")]}))
+    if out.requires_grad:
+        out.float().sum().backward()
+    called = [[str(node.target) for node in gm.graph.nodes if node.op == "call_function"] for gm in graphs]
+    print(json.dumps({"case": name, "kernels": [sum("triton_kernel_wrapper" in target for target in graph)
+                                                for graph in called],
+                      "icrl_ops": [target for graph in called for target in graph if target.startswith("icrl.")]}))
 """
 
 #: Triton kernels in the forward and backward graphs of each case of ``_TRACE_INTO_KERNELS``.
 TRACED_KERNELS = {
-    "ngram_attention-sort": 5,  # the plan's rank, key and meta kernels, the forward, the backward
-    "ngram_attention-tiled": 2,
-    "mixture_of_heads": 2,
-    "smeared_keys": 3,  # forward; backward and its alpha-gradient kernel
-    "inject_layer_norm": 3,  # forward; backward and the parameters' gradients
-    "gated_attention": 6,  # forward; preprocess, dk/dv, dq, and smeared keys' two backward kernels
+    "ngram_attention-sort": [4, 1],  # the plan's rank, key and meta kernels, the forward; the backward
+    "ngram_attention-tiled": [1, 1],
+    "mixture_of_heads": [1, 1],
+    "smeared_keys": [1, 2],  # forward; backward and its alpha-gradient kernel
+    "inject_layer_norm": [1, 2],  # forward; backward and the parameters' gradients
+    "gated_attention": [1, 5],  # forward; preprocess, dk/dv, dq, and smeared keys' two backward kernels
+    # The small and chunked algorithms compute the gradients in the forward (the backward scales them); a selection
+    # has no backward graph.
+    **{f"infonce_loss-{algorithm}": [1, 0] for algorithm in ("small", "row_chunks", "action_chunks")},
+    "infonce_loss-fused": [1, 2],  # forward; the backward's grad_pred and grad_embeds kernels
+    **{f"select_actions-{algorithm}": [1] for algorithm in ("small", "fused", "row_chunks", "action_chunks")},
 }
 
 
-@pytest.mark.slow  # a fresh Python compiles six functions (about 7 s)
+@pytest.mark.slow  # a fresh Python compiles fourteen functions (about 12 s)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA tests compile and run the ops for real")
 def test_traceable_ops_compile_into_their_kernels():
     """Without the interpreter the ops are ``triton_op`` s: ``torch.compile(fullgraph=True)`` of each public
-    function has no graph break and traces through the op into its Triton kernels (the forward and backward
-    graphs hold the kernels, no ``icrl`` op). The kernels are traced, not run (no GPU here); the values and
-    gradients of compiled calls are checked under the interpreter (``test_compile_keeps_the_op_in_the_graph``
-    and each op's compile test)."""
+    function (each InfoNCE algorithm of both contrastive ops) has no graph break and traces through the op into its
+    Triton kernels: the forward graph, and the backward graph of a differentiable op, hold the kernels (as many as
+    pinned) and no ``icrl`` op. The kernels are traced, not run (no GPU here); the values and gradients of compiled
+    calls are checked under the interpreter (``test_compile_keeps_the_op_in_the_graph`` and each op's compile
+    test)."""
     from benchmarks.kernel_tools import run_offline_compile
 
     reports = {report["case"]: report for report in run_offline_compile(_TRACE_INTO_KERNELS)}
     assert set(reports) == set(TRACED_KERNELS)
     for case, report in reports.items():
-        assert report["graphs"] == 2 and not report["icrl_ops"], report
+        assert not report["icrl_ops"], report
         assert report["kernels"] == TRACED_KERNELS[case], report
 
 
@@ -490,8 +509,9 @@ LAUNCHES_PER_CALL = {
     "infonce_loss": (1, 4),  # A = 8: the small algorithm, its kernel counts the mean (contrastive/small_kernels.py)
     "select_actions (no grad)": (1, 0),  # argmax: no seed drawn, the placeholder made once per device
     "mixture_of_heads": (2, 2),
-    # Only the harness's two ops: the unused hidden output's gradient is never materialised (7 before).
-    "inject_layer_norm": (2, 2),
+    # The harness's two ops and autograd's copy of the one gradient of y and prompt into the second leaf's .grad
+    # (as for y + prompt; the kernel writes it once); the unused hidden output's gradient is never materialised.
+    "inject_layer_norm": (2, 3),
     # Forward, backward preprocess, dk/dv, dq; the harness's two ops (lse's zero gradient no longer made).
     "gated_attention": (4, 2),
     "gated_attention (gated, smeared)": (6, 2),  # + smeared keys' backward and its alpha-gradient kernel
@@ -526,7 +546,8 @@ def test_public_functions_are_few_frames_from_their_launches(grad):
 
     from benchmarks import dispatch_overhead
 
-    names = ("ngram_attention", "mixture_of_heads", "inject_layer_norm", "gated_attention", "smeared_keys")
+    names = ("ngram_attention", "mixture_of_heads", "inject_layer_norm", "gated_attention", "smeared_keys",
+             "infonce_loss", "select_actions")  # fmt: skip
     public = {name: getattr(ik, name).__code__ for name in names}
     depths: dict[str, int] = {}
 
@@ -559,3 +580,17 @@ def test_host_size_arithmetic_equals_tritons():
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 127):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+@pytest.mark.parametrize("value", [None, "1", "0", "", "true", "on", "no", " 1 ", "TRUE", "Off", "2"])
+def test_interpreter_flag_follows_os_environ(monkeypatch, value):
+    """``triton_interpreter_enabled`` (read on every CPU call, from os.environ's own dict) sees every write
+    through ``os.environ`` and parses like ``os.environ.get`` would."""
+    from icrl_kernels._backend import triton_interpreter_enabled
+
+    if value is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+    expected = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    assert triton_interpreter_enabled() == expected

@@ -240,12 +240,17 @@ def test_gradients_are_deterministic(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", FAST_PATHS)
-def test_y_and_prompt_gradients_are_separate_tensors(backend, device):
+def test_y_and_prompt_share_one_gradient(backend, device):
+    """The backward writes ``d_x`` once and autograd hands it to both ``y`` and ``prompt``, as for ``y + prompt``;
+    accumulated into leaves' ``.grad`` it becomes two tensors (autograd copies a gradient it cannot own)."""
     y, prompt, *rest = _leaves(random_inputs(2, 3, 8, device=device, seed=11))
     hidden, normed = inject_layer_norm(y, prompt, *rest, backend=backend)
     grad_y, grad_prompt = torch.autograd.grad(normed.sum() + hidden.sum(), (y, prompt))
     assert torch.equal(grad_y, grad_prompt)
-    assert grad_y.data_ptr() != grad_prompt.data_ptr()
+    hidden, normed = inject_layer_norm(y, prompt, *rest, backend=backend)
+    (normed.sum() + hidden.sum()).backward()
+    assert torch.equal(y.grad, grad_y) and torch.equal(prompt.grad, grad_y)
+    assert y.grad.data_ptr() != prompt.grad.data_ptr()
 
 
 @pytest.mark.parametrize("backend", ["eager", "reference"] + (["triton"] if triton_devices() else []))
@@ -280,12 +285,13 @@ def test_opcheck(impl, optional):
         y = y.transpose(0, 1).contiguous().transpose(0, 1)
     args = (*_leaves((y, prompt, pos, weight, bias)), 1e-5, impl)
     torch.library.opcheck(inject_layer_norm_op, args)
-    hidden, _, mean, rstd = inject_layer_norm_op(*args)
+    hidden, _ = inject_layer_norm_op(*args)
     gen = torch.Generator().manual_seed(15)
     grad_hidden, grad_normed = (torch.randn(2, 5, 12, generator=gen).to(device) for _ in range(2))
-    needs = [optional, True, optional, True, optional]
-    detached = [t.detach() if t is not None else None for t in (hidden, mean, rstd, weight, bias, pos)]
-    backward_args = (grad_hidden, grad_normed.transpose(0, 1).contiguous().transpose(0, 1), *detached, impl, needs)
+    needs = [optional, True, optional, True, optional]  # y, prompt, pos, weight, bias
+    dtypes = [t.dtype if t is not None else None for t in (pos, bias)]
+    backward_args = (grad_hidden, grad_normed.transpose(0, 1).contiguous().transpose(0, 1), hidden.detach(),
+                     weight, 1e-5, *dtypes, impl, needs)  # fmt: skip
     torch.library.opcheck(inject_layer_norm_backward_op, backward_args)
 
 

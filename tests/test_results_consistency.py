@@ -932,3 +932,60 @@ claims(
         lambda d: [at("summary", "cue_hidden_C4", str(k), "g_markov", "mean")(d) for k in (5, 10)],
     ),
 )
+
+
+# --- the looped transformer, seeds 3-4 and the five-seed verdicts (cpu-looped-20k-seeds-3-4) -------------------
+
+LOOPED_34 = "cpu-looped-20k-seeds-3-4.json"
+
+
+def five_seeds(*path) -> Callable:
+    """Mean, sd and the 95% t-interval of a per-seed value over seeds 0-2 (cpu-looped-20k) and 3-4."""
+
+    def read(data):
+        values = [*at(*path, "values")(load(LOOPED_20K)), *at(*path, "values")(data)]
+        mean, sd = np.mean(values), np.std(values, ddof=1)
+        half = 2.776 * sd / np.sqrt(len(values))
+        return [mean, sd, mean - half, mean + half]
+
+    return read
+
+
+def flat_five_seeds(data) -> list[float]:
+    runs = [*load(LOOPED_20K)["per_seed"].values(), *data["per_seed"].values()]
+    values = [r["extrapolation"]["error_at_max_loops"] - r["extrapolation"]["error_at_trained_loops"] for r in runs]
+    mean, sd = np.mean(values), np.std(values, ddof=1)
+    half = 2.776 * sd / np.sqrt(len(values))
+    return [mean, sd, mean - half, mean + half]
+
+
+claims(
+    Claim("results", "| looped (b = 15) | {} ± {} | {} | {} |", LOOPED_34, seed_row("summary", "error_at_k", "looped")),
+    Claim(
+        "results",
+        "| unlooped (4 layers) | {} ± {} | {} | {} |",
+        LOOPED_34,
+        seed_row("summary", "error_at_k", "unlooped"),
+    ),
+    Claim(
+        "results",
+        "| looped - unlooped (paired by seed) | {} ± {} | {} | {} |",
+        LOOPED_34,
+        seed_row("summary", "looped_minus_unlooped"),
+        occurrence=1,  # the seeds 0-2 table has the same row first
+    ),
+    Claim(
+        "results",
+        "| looped at 75 loops (5x b) | {} ± {} | {} | {} |",
+        LOOPED_34,
+        seed_row("summary", "error_at_max_loops"),
+        occurrence=1,  # the seeds 0-2 table has the same row first
+    ),
+    Claim(
+        "results",
+        "looped minus unlooped is {} ± {} (n = 5), 95% CI [{}, {}]",
+        LOOPED_34,
+        five_seeds("summary", "looped_minus_unlooped"),
+    ),
+    Claim("results", "75 loops minus 15 loops is {} ± {} (n = 5), 95% CI [{}, {}]", LOOPED_34, flat_five_seeds),
+)

@@ -16,25 +16,25 @@ def inject_layer_norm_fwd_bwd_cost(B: int, L: int, D: int, *, dtype: torch.dtype
     all five inputs, from upstream gradients on both outputs.
 
     Bytes (``s`` = itemsize; ``y``, ``prompt``, ``hidden``, ``normed`` are ``[B, L, D]``, ``pos [L, D]``,
-    ``weight``, ``bias [D]``, row statistics fp32)::
+    ``weight``, ``bias [D]``)::
 
-        forward : read y, prompt (2 B L D s), pos (L D s), weight, bias (2 D s);
-                  write hidden, normed (2 B L D s) and mean, rstd (8 B L)
-        backward: read hidden, d_hidden, d_normed (3 B L D s), weight (D s), mean, rstd (8 B L);
-                  write d_y, d_prompt (2 B L D s), d_pos (L D s), d_weight, d_bias (2 D s)
-        total   = 9 B L D s + 2 L D s + 5 D s + 16 B L
+        forward : read y, prompt (2 B L D s), pos (L D s), weight, bias (2 D s); write hidden, normed (2 B L D s)
+        backward: read hidden, d_hidden, d_normed (3 B L D s), weight (D s);
+                  write d_x (B L D s: the one gradient of y and prompt), d_pos (L D s), d_weight, d_bias (2 D s)
+        total   = 8 B L D s + 2 L D s + 5 D s
 
     FLOPs per element of ``[B, L, D]``: forward 9 (two adds, the mean, centring, squaring and
-    summing the variance, the scale by ``rstd``, the affine map); backward 15 (``xhat`` recomputed
-    from ``hidden``, ``dxhat = dnormed * w``, the two row sums, the two parameter reductions, the
-    input gradient, adding ``d_hidden`` and reducing ``d_pos`` over ``B``): ``24 B L D``. Per-row
-    work (``rsqrt``) is not counted; the op is memory-bound by two orders of magnitude.
+    summing the variance, the scale by ``rstd``, the affine map); backward 19 (the row statistics
+    recomputed from ``hidden`` (4), ``xhat``, ``dxhat = dnormed * w``, the two row sums, the two
+    parameter reductions, the input gradient, adding ``d_hidden`` and reducing ``d_pos`` over ``B``):
+    ``28 B L D``. Per-row work (``rsqrt``) is not counted; the op is memory-bound by two orders of
+    magnitude.
 
-    Example: ``B=2, L=3, D=4`` fp32: ``864 + 96 + 80 + 96 = 1136`` bytes and ``24*24 = 576`` FLOPs.
+    Example: ``B=2, L=3, D=4`` fp32: ``768 + 96 + 80 = 944`` bytes and ``28*24 = 672`` FLOPs.
     """
     s = itemsize(dtype)
     rows = B * L
-    return OpCost(bytes=9 * rows * D * s + 2 * L * D * s + 5 * D * s + 16 * rows, flops=24 * rows * D)
+    return OpCost(bytes=8 * rows * D * s + 2 * L * D * s + 5 * D * s, flops=28 * rows * D)
 
 
 def loop_params(L: int, D: int, *, n_layers: int = 1) -> int:

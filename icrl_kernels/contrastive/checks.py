@@ -17,7 +17,6 @@ from .._validation import (
     FLOAT_DTYPES,
     INT_DTYPES,
     check_choice,
-    check_generator,
     check_int,
     check_positive_float,
     check_same_device,
@@ -72,35 +71,20 @@ class Plan(NamedTuple):
     ignore_index: int
 
 
-#: Plans of the argument signatures seen (:func:`infonce_plan`, :func:`select_plan`): a repeated call checks its
-#: arguments in one dictionary lookup. Bounded: cleared when full (a program uses a handful of signatures).
-_PLANS: dict[tuple, Plan] = {}
-MAX_PLANS = 4096
-
-
-def _remember(key: tuple | None, plan: Plan) -> Plan:
-    if key is not None and not torch.compiler.is_compiling():  # no side effects on a dict Dynamo would guard
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
-
-
-def _map_key(pred, action_embeds, mask, tau, algorithm, backend) -> tuple:
-    """The part of a call's signature both ops share: every property their argument checks read (each tensor's
-    class, shape, dtype and device; each option's class and value). AttributeError for a non-tensor."""
-    return (
-        pred.__class__, pred.shape, pred.dtype, pred.device,
-        action_embeds.__class__, action_embeds.shape, action_embeds.dtype, action_embeds.device,
-        None if mask is None else (mask.__class__, mask.shape, mask.dtype, mask.device),
-        tau.__class__, tau, algorithm, backend,
-    )  # fmt: skip
-
-
-def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_index, algorithm, backend) -> Plan:
+def infonce_plan(
+    pred: object,
+    action_embeds: object,
+    targets: object,
+    tau: object,
+    mask: object,
+    reduction: object,
+    ignore_index: object,
+    algorithm: object,
+    backend: object,
+) -> Plan:
     """The argument checks of :func:`~icrl_kernels.infonce_loss` (and, with ``backend="reference"``, its checked
-    reference), once per argument signature: a repeated signature costs one lookup; a new one is checked in
-    full (no tensor value is read) and its plan kept.
+    reference), reading no tensor value: the public functions run them once per argument signature
+    (``function._infonce_plan``, :func:`icrl_kernels._library.checked_per_signature`; arguments positional).
 
     Raises:
         TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); ``targets`` not an integer
@@ -109,19 +93,6 @@ def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_i
         ``"auto"`` where the backend is not Triton, ``"small"`` beyond its action tile; a dtype the backend does
         not take.
     """
-    key = None
-    if not torch.compiler.is_compiling():  # Dynamo traces the checks (constant-folded), without the cache
-        try:
-            key = (
-                "infonce", *_map_key(pred, action_embeds, mask, tau, algorithm, backend),
-                targets.__class__, targets.shape, targets.dtype, targets.device,
-                reduction, ignore_index.__class__, ignore_index,
-            )  # fmt: skip
-            return _PLANS[key]
-        except KeyError:  # a new signature: checked below, then kept
-            pass
-        except (AttributeError, TypeError):  # a non-tensor, an unhashable option: checked below (and raises)
-            key = None
     mask_shape = check_pred_and_map(pred, action_embeds, mask)
     check_tensor(targets, "targets", dtypes=INT_DTYPES)
     if tuple(targets.shape) != tuple(pred.shape[:-1]):
@@ -133,34 +104,27 @@ def infonce_plan(pred, action_embeds, targets, *, tau, mask, reduction, ignore_i
     ignore_index = check_int(ignore_index, "ignore_index")
     num_actions = action_embeds.shape[-2]
     impl = _implementation(pred, num_actions, algorithm, backend, select=False)
-    return _remember(key, Plan(impl, num_actions, mask_shape, tau, ignore_index))
+    return Plan(impl, num_actions, mask_shape, tau, ignore_index)
 
 
-def select_plan(pred, action_embeds, *, mode, tau, mask, generator, algorithm, backend) -> Plan:
-    """The argument checks of :func:`~icrl_kernels.select_actions`, once per argument signature (as
+def select_plan(
+    pred: object, action_embeds: object, mode: object, tau: object, mask: object, algorithm: object, backend: object
+) -> Plan:
+    """The argument checks of :func:`~icrl_kernels.select_actions` but the generator's (the caller checks it: any
+    generator object, not part of the signature), once per argument signature (``function._select_plan``, as
     :func:`infonce_plan`).
 
     Raises:
         TypeError/ValueError naming the argument (see :func:`check_pred_and_map`); an unknown ``mode``,
-        ``algorithm`` or ``backend``, ``tau`` not > 0 and finite, a ``generator`` that is not a
-        ``torch.Generator``; ``algorithm`` other than ``"auto"`` where the backend is not Triton.
+        ``algorithm`` or ``backend``, ``tau`` not > 0 and finite; ``algorithm`` other than ``"auto"`` where the
+        backend is not Triton.
     """
-    check_generator(generator)  # not part of the signature: any generator object
-    key = None
-    if not torch.compiler.is_compiling():
-        try:
-            key = ("select", *_map_key(pred, action_embeds, mask, tau, algorithm, backend), mode)
-            return _PLANS[key]
-        except KeyError:
-            pass
-        except (AttributeError, TypeError):
-            key = None
     mask_shape = check_pred_and_map(pred, action_embeds, mask)
     check_choice(mode, "mode", SELECTION_MODES)
     tau = check_positive_float(tau, "tau")
     num_actions = action_embeds.shape[-2]
     impl = _implementation(pred, num_actions, algorithm, backend, select=True)
-    return _remember(key, Plan(impl, num_actions, mask_shape, tau, 0))
+    return Plan(impl, num_actions, mask_shape, tau, 0)
 
 
 def _implementation(pred: torch.Tensor, num_actions: int, algorithm: object, backend: object, *, select: bool) -> str:

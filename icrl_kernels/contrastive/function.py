@@ -3,7 +3,7 @@
 Two ops, ``icrl::infonce_loss`` (with ``icrl::infonce_loss_backward``) and ``icrl::select_actions``, each
 running the algorithm its ``impl`` argument names, an entry of ``algorithms.ALGORITHMS`` (one table: the four
 Triton algorithms and the eager path). The public functions check their arguments once per signature
-(``checks.infonce_plan``), choose the algorithm and call the op: the op's forward calls the entry, whose
+(``checks.infonce_plan``, cached), choose the algorithm and call the op: the op's forward calls the entry, whose
 launcher launches.
 
 ``icrl::infonce_loss`` returns the *reduced* loss, so that with ``reduction="mean"`` or ``"sum"`` the forward
@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 
-from .._library import differentiable_op, inference_op
-from .._validation import check_positive_float, check_values
+from .._library import checked_per_signature, differentiable_op, inference_op
+from .._validation import check_generator, check_positive_float, check_values
 from . import reference
 from .algorithms import (
     AUTO,
@@ -154,10 +154,11 @@ def _backward(
     impl: str,
     needs_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # None for a gradient nobody asked for (the registered op returns an empty tensor there: differentiable_op).
     if pred is None:  # the forward's gradients, times the upstream scalar of each run (0-dim: keeps their dtype)
         return (
-            _scaled(grad_pred, grad_loss, runs) if needs_grad[0] else grad_loss.new_empty(0),
-            _scaled(grad_embeds, grad_loss, runs) if needs_grad[1] else grad_loss.new_empty(0),
+            _scaled(grad_pred, grad_loss, runs) if needs_grad[0] else None,
+            _scaled(grad_embeds, grad_loss, runs) if needs_grad[1] else None,
         )
     targets = targets.long().contiguous()
     if reduction == "none":
@@ -168,14 +169,10 @@ def _backward(
         if runs > 1:
             upstream = upstream.repeat_interleave(targets.numel() // runs).view(targets.shape)
         weights = row_weights(targets, ignore_index, count) * upstream
-    grad_pred, grad_embeds = algorithm_entry(impl).infonce_backward(
+    return algorithm_entry(impl).infonce_backward(
         weights, pred.contiguous(), embeds.contiguous(), targets, mask if impl == EAGER else padded_mask(mask), lse,
         tau, ignore_index, needs_grad[0], needs_grad[1],
     )  # fmt: skip
-    return (
-        grad_pred if grad_pred is not None else grad_loss.new_empty(0),
-        grad_embeds if grad_embeds is not None else grad_loss.new_empty(0),
-    )
 
 
 def _scaled(grad: torch.Tensor, grad_loss: torch.Tensor, runs: int) -> torch.Tensor:
@@ -219,6 +216,7 @@ infonce_op, infonce_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=_save,
+    saved_tensors=7,  # pred, embeds, targets, mask, lse, grad_pred, grad_embeds (each or None); then constants
     grad_inputs=(0, 1),
     differentiable_outputs=1,
     pass_needs_grad=True,
@@ -357,6 +355,11 @@ select_actions_op.register_vmap(_select_vmap)
 
 
 # -- public functions ------------------------------------------------------------------------------
+#: The argument checks (the backend and the algorithm decided there), once per argument signature.
+_infonce_plan = checked_per_signature(infonce_plan)
+_select_plan = checked_per_signature(select_plan)
+
+
 def infonce_loss(
     pred: torch.Tensor,
     action_embeds: torch.Tensor,
@@ -411,16 +414,17 @@ def infonce_loss(
             value checks (targets, mask rows) run on the device: on CUDA they are asynchronous device asserts
             (see ``set_value_checks``).
     """
-    plan = infonce_plan(pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction,
-                        ignore_index=ignore_index, algorithm=algorithm, backend=backend)  # fmt: skip
+    plan = _infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, algorithm, backend)
     impl = plan.impl
     if impl == "reference":
         return _checked_infonce_reference(plan, pred, action_embeds, targets, tau, mask, reduction, ignore_index)
     if impl == AUTO:  # an fp32 choice that depends on torch's matmul precision, read at each call
         impl = infonce_algorithm(plan.num_actions, pred.dtype)
+    if mask is not None:
+        mask = canonical_mask(mask, plan)
     grad = torch.is_grad_enabled()
     return infonce_op(
-        pred, action_embeds, targets, canonical_mask(mask, plan), plan.tau, plan.ignore_index, reduction, 1,
+        pred, action_embeds, targets, mask, plan.tau, plan.ignore_index, reduction, 1,
         grad and pred.requires_grad, grad and action_embeds.requires_grad, impl,
     )[0]  # fmt: skip
 
@@ -459,8 +463,9 @@ def select_actions(
         kernels; each run draws as it would alone with the seed it was given (``randomness="different"``: its
         own; ``"same"``: the shared one).
     """
-    plan = select_plan(pred, action_embeds, mode=mode, tau=tau, mask=mask, generator=generator,
-                       algorithm=algorithm, backend=backend)  # fmt: skip
+    if generator is not None:  # any generator object: not part of the signature
+        check_generator(generator)
+    plan = _select_plan(pred, action_embeds, mode, tau, mask, algorithm, backend)
     impl = plan.impl
     sample = mode == "sample"
     if impl == "reference":
@@ -473,8 +478,12 @@ def select_actions(
     if impl == AUTO:
         impl = select_algorithm(plan.num_actions, pred.dtype)
     # Argmax needs no seed: a constant placeholder, so that argmax consumes no random numbers.
-    seed = _draw_seed(generator, pred.device) if sample else _no_seed(pred.device)
-    return select_actions_op(pred, action_embeds, canonical_mask(mask, plan), plan.tau, sample, seed, impl)
+    seed = _draw_seed(generator, pred.device) if sample else _NO_SEEDS.get(pred.device)
+    if seed is None:
+        seed = _no_seed(pred.device)
+    if mask is not None:
+        mask = canonical_mask(mask, plan)
+    return select_actions_op(pred, action_embeds, mask, plan.tau, sample, seed, impl)
 
 
 def _draw_seed(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -551,8 +560,7 @@ def infonce_loss_reference(
         ``tau``, ``reduction``, ``ignore_index``; targets out of range or unavailable and mask rows with
         no action through ``check_values`` (an asynchronous device assert on CUDA).
     """
-    plan = infonce_plan(pred, action_embeds, targets, tau=tau, mask=mask, reduction=reduction,
-                        ignore_index=ignore_index, algorithm=AUTO, backend="reference")  # fmt: skip
+    plan = _infonce_plan(pred, action_embeds, targets, tau, mask, reduction, ignore_index, AUTO, "reference")
     return _checked_infonce_reference(plan, pred, action_embeds, targets, tau, mask, reduction, ignore_index)
 
 

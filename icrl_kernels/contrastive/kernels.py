@@ -22,7 +22,6 @@ interpreter bf16 tiles are upcast first (:func:`half_dot`). Scales are applied i
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -31,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._backend import triton_interpreter_enabled
-from .._triton import cdiv, size_bucket
+from .._triton import cdiv, per_signature, size_bucket
 from . import checks
 
 # The per-row status codes (checks.check_row_status and checks.check_selection_status read them).
@@ -265,15 +264,12 @@ class Layout(NamedTuple):
 
 
 def layout(pred: torch.Tensor, embeds: torch.Tensor) -> Layout:
-    """The :class:`Layout` of ``pred`` and ``embeds``, computed once per shapes, strides and dtype (a repeated call
-    is one cache lookup; symbolic sizes while torch traces are computed every time)."""
-    try:
-        return _layout(pred.shape, pred.stride(), embeds.shape, embeds.stride(), pred.dtype)
-    except TypeError:  # a SymInt: unhashable
-        return _layout.__wrapped__(pred.shape, pred.stride(), embeds.shape, embeds.stride(), pred.dtype)
+    """The :class:`Layout` of ``pred`` and ``embeds``, computed once per shapes, strides and dtype
+    (:func:`icrl_kernels._triton.per_signature`)."""
+    return _layout(pred.shape, pred.stride(), embeds.shape, embeds.stride(), pred.dtype)
 
 
-@functools.lru_cache(maxsize=256)
+@per_signature
 def _layout(pred_shape, pred_strides, embeds_shape, embeds_strides, dtype: torch.dtype) -> Layout:
     per_sequence = len(embeds_shape) == 3
     dim, num_actions = pred_shape[-1], embeds_shape[-2]

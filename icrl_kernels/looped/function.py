@@ -1,9 +1,10 @@
 """Public entry point of the fused input injection + LayerNorm and its custom-op registration.
 
-The op ``icrl::inject_layer_norm`` returns ``(hidden, normed, mean, rstd)``; only the first two are
-differentiable (``mean`` and ``rstd`` are fp32 per-row statistics saved for the backward). The
-backward reads ``hidden`` (an output the block keeps anyway as its residual stream), ``mean`` and
-``rstd``, so nothing else of the forward stays alive for it: not ``y``, not ``prompt``.
+The op ``icrl::inject_layer_norm`` returns ``(hidden, normed)``, both differentiable. The backward reads
+``hidden`` (an output the block keeps anyway as its residual stream) and ``weight`` and recomputes each row's
+statistics from ``hidden``, so nothing else of the forward stays alive for it: not ``y``, not ``prompt``, no
+side output. It returns one gradient ``d_x`` for both ``y`` and ``prompt`` (autograd hands the one tensor to
+both, as for ``y + prompt``).
 """
 
 from __future__ import annotations
@@ -45,74 +46,73 @@ def _forward(
     bias: Optional[torch.Tensor],  # noqa: UP045
     eps: float,
     impl: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     if impl == "triton":
         return _kernels().inject_layer_norm_forward_triton(y, prompt, pos, weight, bias, eps)
     return inject_layer_norm_forward_eager(y, prompt, pos, weight, bias, eps)
 
 
 def _forward_fake(y, prompt, pos, weight, bias, eps, impl):
-    stats = prompt.new_empty(prompt.shape[:2], dtype=compute_dtype(prompt))
-    return prompt.new_empty(prompt.shape), prompt.new_empty(prompt.shape), stats, torch.empty_like(stats)
+    return prompt.new_empty(prompt.shape), prompt.new_empty(prompt.shape)
 
 
 def _backward(
     grad_hidden: Optional[torch.Tensor],  # noqa: UP045 (None: hidden unused, autograd materialised nothing)
     grad_normed: Optional[torch.Tensor],  # noqa: UP045 (None: normed unused)
     hidden: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
     weight: torch.Tensor,
-    bias: Optional[torch.Tensor],  # noqa: UP045 (only its dtype is used)
-    pos: Optional[torch.Tensor],  # noqa: UP045 (only its dtype is used)
+    eps: float,
+    pos_dtype: Optional[torch.dtype],  # noqa: UP045 (None: no pos)
+    bias_dtype: Optional[torch.dtype],  # noqa: UP045 (None: no bias)
     impl: str,
     needs_grad: list[bool],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``(y, prompt, pos, weight, bias)``, ``None`` for those nobody asked for (the
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``(y and prompt, pos, weight, bias)``, ``None`` for those nobody asked for (the
     registered op returns empty tensors there: :func:`icrl_kernels._library.differentiable_op`)."""
-    want_y, want_prompt, want_pos, want_weight, want_bias = needs_grad
-    want_pos = want_pos and pos is not None
-    want_bias = want_bias and bias is not None
+    want_y, want_prompt, want_pos, want_weight, want_bias = needs_grad  # False for an absent y, pos or bias
+    want_x = want_y or want_prompt
     if impl == "triton":
         return _kernels().inject_layer_norm_backward_triton(
-            grad_hidden, grad_normed, hidden, mean, rstd, weight,
-            want_y=want_y, want_prompt=want_prompt, want_pos=want_pos, want_weight=want_weight, want_bias=want_bias,
-            pos_dtype=pos.dtype if pos is not None else hidden.dtype,
-            bias_dtype=bias.dtype if bias is not None else hidden.dtype,
-        )  # fmt: skip
+            grad_hidden,
+            grad_normed,
+            hidden,
+            weight,
+            eps,
+            (want_x, want_pos, want_weight, want_bias),
+            pos_dtype,
+            bias_dtype,
+        )
     zeros = torch.zeros_like(hidden)  # the eager path (CPUs) reads an absent upstream gradient as zeros
     grad_x, grad_weight, grad_bias, grad_pos = inject_layer_norm_backward_eager(
         grad_hidden if grad_hidden is not None else zeros, grad_normed if grad_normed is not None else zeros,
-        hidden, mean, rstd, weight, want_weight, want_bias, want_pos,
+        hidden, weight, eps, want_weight, want_bias, want_pos,
     )  # fmt: skip
-    grad_x = grad_x.to(hidden.dtype)
-    # Outputs of a custom op may not alias each other: y and prompt get equal, separate tensors.
     return (
-        grad_x if want_y else None,
-        (grad_x.clone() if want_y else grad_x) if want_prompt else None,
-        grad_pos.to(pos.dtype) if want_pos else None,
+        grad_x.to(hidden.dtype) if want_x else None,
+        grad_pos.to(pos_dtype) if want_pos else None,
         grad_weight.to(weight.dtype) if want_weight else None,
-        grad_bias.to(bias.dtype) if want_bias else None,
+        grad_bias.to(bias_dtype) if want_bias else None,
     )
 
 
-def _backward_fake(grad_hidden, grad_normed, hidden, mean, rstd, weight, bias, pos, impl, needs_grad):
+def _backward_fake(grad_hidden, grad_normed, hidden, weight, eps, pos_dtype, bias_dtype, impl, needs_grad):
     want_y, want_prompt, want_pos, want_weight, want_bias = needs_grad
+    want_x = want_y or want_prompt
     placeholder = first_tensor((grad_hidden, grad_normed, hidden))  # as the registered backward's
+    width = weight.shape
     return (
-        torch.empty_like(hidden) if want_y else placeholder.new_empty(0),
-        torch.empty_like(hidden) if want_prompt else placeholder.new_empty(0),
-        torch.empty_like(pos) if want_pos and pos is not None else placeholder.new_empty(0),
+        torch.empty_like(hidden) if want_x else placeholder.new_empty(0),
+        hidden.new_empty(hidden.shape[1:], dtype=pos_dtype) if want_pos else placeholder.new_empty(0),
         torch.empty_like(weight) if want_weight else placeholder.new_empty(0),
-        torch.empty_like(bias) if want_bias and bias is not None else placeholder.new_empty(0),
+        weight.new_empty(width, dtype=bias_dtype) if want_bias else placeholder.new_empty(0),
     )
 
 
 def _save(inputs: tuple, output: tuple) -> tuple:
     y, prompt, pos, weight, bias, eps, impl = inputs
-    hidden, normed, mean, rstd = output
-    # pos and bias are saved for their dtype (and None-ness) only: parameters, alive anyway.
-    return hidden, mean, rstd, weight, bias, pos, impl
+    # Of pos and bias only the dtypes are needed (their gradients' dtypes).
+    pos_dtype = pos.dtype if pos is not None else None
+    return output[0], weight, eps, pos_dtype, bias.dtype if bias is not None else None, impl
 
 
 inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
@@ -122,9 +122,8 @@ inject_layer_norm_op, inject_layer_norm_backward_op = differentiable_op(
     backward=_backward,
     backward_fake=_backward_fake,
     save=_save,
-    saved_tensors=6,  # hidden, mean, rstd, weight, bias, pos; then impl
-    grad_inputs=(0, 1, 2, 3, 4),  # y, prompt, pos, weight, bias
-    differentiable_outputs=2,
+    saved_tensors=2,  # hidden, weight; then eps, pos's dtype, bias's dtype, impl
+    grad_inputs=((0, 1), 2, 3, 4),  # (y, prompt): one gradient for both; pos, weight, bias
     pass_needs_grad=True,
     traceable=("triton",),  # the launchers: torch.compile traces into the kernels (triton_op)
     materialize_grads=False,  # an unused output's gradient is None, not a zero tensor to read
@@ -151,13 +150,13 @@ def _inject_layer_norm_vmap(info, in_dims: tuple, y, prompt, pos, weight, bias, 
     position = None if pos is None else slices["pos"][:, None]  # [K, 1, L, D]: every row of its slice
     injected = reference.injected_sum(slices["y"], slices["prompt"], position, dtype).flatten(0, 1)
     unit = torch.ones(weight.shape[-1], dtype=dtype, device=prompt.device)
-    hidden, normalised, mean, rstd = (t.unflatten(0, (size, -1)) for t in
-                                      inject_layer_norm_op(None, injected, None, unit, None, eps, impl))  # fmt: skip
+    hidden, normalised = (t.unflatten(0, (size, -1)) for t in
+                          inject_layer_norm_op(None, injected, None, unit, None, eps, impl))  # fmt: skip
     scale = vmapped_first(weight, dims["weight"], size).to(dtype)[:, None, None]
     normed = normalised * scale
     if bias is not None:
         normed = normed + vmapped_first(bias, dims["bias"], size).to(dtype)[:, None, None]
-    return (hidden.to(prompt.dtype), normed.to(prompt.dtype), mean, rstd), (0, 0, 0, 0)
+    return (hidden.to(prompt.dtype), normed.to(prompt.dtype)), (0, 0)
 
 
 inject_layer_norm_op.register_vmap(_inject_layer_norm_vmap)
@@ -212,9 +211,10 @@ def inject_layer_norm(
     Returns:
         ``(hidden, normed)``, both ``[B, L, D]`` contiguous in the activation dtype (``prompt.dtype``).
         Gradients flow to ``y``, ``prompt``, ``pos`` (summed over the batch), ``weight`` and ``bias``
-        from both outputs, each in its input's dtype; ``y`` and ``prompt`` receive equal gradients
-        (separate tensors). The backward reads ``hidden``: do not modify it in place (write
-        ``hidden = hidden + attn``, not ``hidden += attn``); autograd raises if you do.
+        from both outputs, each in its input's dtype; ``y`` and ``prompt`` receive equal gradients (one
+        tensor, as with ``y + prompt``: ``torch.autograd.grad`` may return it for both). The backward
+        reads ``hidden``: do not modify it in place (write ``hidden = hidden + attn``, not
+        ``hidden += attn``); autograd raises if you do.
 
     Raises:
         ValueError: a shape that does not match ``prompt`` (the message names the argument), tensors
@@ -224,8 +224,7 @@ def inject_layer_norm(
     eps, impl = _checked_call(y, prompt, pos, weight, bias, eps, backend)
     if impl == "reference":
         return reference.inject_layer_norm_reference(y, prompt, pos, weight, bias, eps=eps)
-    hidden, normed, _, _ = inject_layer_norm_op(y, prompt, pos, weight, bias, eps, impl)
-    return hidden, normed
+    return inject_layer_norm_op(y, prompt, pos, weight, bias, eps, impl)
 
 
 def inject_layer_norm_reference(

@@ -11,21 +11,24 @@ positions fixed inside a program means
 
 Forward: ``x = y + prompt + pos`` in fp32, ``mean``, ``rstd = 1 / sqrt(var + eps)`` (biased
 variance), ``hidden = x`` and ``normed = (x - mean) * rstd * weight + bias`` stored in the activation
-dtype, ``mean`` and ``rstd`` stored per row in fp32 for the backward.
+dtype. Nothing else is stored: the statistics are a row's reduction in registers, which the backward
+repeats on ``hidden`` (it loads the row anyway) instead of reading them from a side output that every
+call would allocate, return and save.
 
-Backward: from ``hidden``, ``mean`` and ``rstd`` (``y`` and ``prompt`` are not kept alive),
-``xhat = (hidden - mean) * rstd``, ``g = d_normed * weight`` and
+Backward: from ``hidden`` alone (``y`` and ``prompt`` are not kept alive), ``mean`` and ``rstd`` of
+``hidden`` as in the forward, ``xhat = (hidden - mean) * rstd``, ``g = d_normed * weight`` and
 
     d_x = d_hidden + rstd * (g - mean_D(g) - xhat * mean_D(g * xhat))
 
-written to ``d_y`` and/or ``d_prompt`` (equal values, two buffers, because outputs of a custom op may
-not alias). Each program also writes fp32 partial sums of ``d_weight = sum d_normed * xhat``,
+written once: ``d_y = d_prompt = d_x`` (autograd hands the one tensor to both, as it does for
+``y + prompt``). Each program also writes fp32 partial sums of ``d_weight = sum d_normed * xhat``,
 ``d_bias = sum d_normed`` (one row of ``D`` per program) and ``d_pos`` (one ``[L, D]`` slab per batch
 chunk); a second, small kernel sums the partials in a fixed order and stores each parameter's gradient
 in its dtype, so every gradient is deterministic (no atomics) and no PyTorch op runs around the kernels.
 An upstream gradient that autograd leaves out (``hidden`` or ``normed`` unused) is read as zero, never
 materialised. ``hidden`` was rounded to the activation dtype when stored, so with half-precision
-activations ``xhat`` in the backward carries that rounding (well inside half-precision tolerance).
+activations the backward's statistics and ``xhat`` are those of the rounded sum (well inside
+half-precision tolerance; with fp32 activations they are the forward's exactly).
 
 Inputs ``y``, ``prompt``, ``pos``, ``weight``, ``bias``, ``d_hidden`` and ``d_normed`` may have any
 strides (integer strides equal to 1 are specialised by Triton, so the usual contiguous last dim gives
@@ -37,6 +40,7 @@ entry to the next and addresses its tile with 32-bit offsets (64-bit ones, chose
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,8 +50,8 @@ from .._library import empty_output
 from .._triton import cdiv, launch, next_power_of_2, per_signature
 
 #: Elements of one ``[BLOCK_L, BLOCK_D]`` tile; with one warp per 256 of them a thread holds 8 values
-#: per tile. Compiled offline for sm_90 (ptxas -v, no GPU run): at D = 256 (8 x 256 tile, 8 warps) the
-#: forward uses 57-64 registers and the backward 80-95 (bf16-fp32), without spills.
+#: per tile. Compiled offline for sm_90 (ptxas -v, Triton 3.9, no GPU run): at D = 256 (8 x 256 tile, 8 warps)
+#: the forward uses 136-142 registers and the backward 188-194 (bf16-fp32), without spills.
 _TILE_ELEMENTS = 2048
 #: Programs per streaming multiprocessor to aim for (about what fits at once at D = 256). The backward
 #: writes one fp32 ``d_pos`` partial per batch chunk, so fewer, longer programs keep that traffic small.
@@ -84,10 +88,22 @@ def batch_per_program(batch: int, position_blocks: int, device: torch.device, pr
 
 
 @triton.jit
+def _row_statistics(x, mask, D, eps):
+    """``(x - mean, rstd)`` of each row of the fp32 tile ``x`` (``[BLOCK_L, BLOCK_D]``, zero in masked lanes):
+    ``mean`` and the biased variance over the ``D`` features, ``rstd = 1 / sqrt(var + eps)``; the centred tile
+    is zero in masked lanes. The forward and the backward call it on the same values, so with fp32
+    activations they get the same statistics."""
+    mean = tl.sum(x, axis=1) / D
+    centred = tl.where(mask, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / D + eps)
+    return centred, rstd
+
+
+@triton.jit
 def _inject_layer_norm_forward_kernel(
     y_ptr, prompt_ptr, pos_ptr, weight_ptr, bias_ptr,
-    hidden_ptr, normed_ptr, mean_ptr, rstd_ptr,
-    B, L, D, batch_per_program, eps,
+    hidden_ptr, normed_ptr,
+    eps, B, L, D, batch_per_program,
     stride_yb, stride_yl, stride_yd,
     stride_pb, stride_pl, stride_pd,
     stride_el, stride_ed, stride_w, stride_bias,
@@ -120,40 +136,32 @@ def _inject_layer_norm_forward_kernel(
     y_base = y_ptr + first * stride_yb
     hidden_base = hidden_ptr + first * L * D
     normed_base = normed_ptr + first * L * D
-    mean_base = mean_ptr + first * L
-    rstd_base = rstd_ptr + first * L
     for _ in range(batch_start, batch_stop):
         x = tl.load(prompt_base + prompt_offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_Y:
             x += tl.load(y_base + y_offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_POS:
             x += pos
-        mean = tl.sum(x, axis=1) / D
-        centred = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=1) / D + eps)
+        centred, rstd = _row_statistics(x, mask, D, eps)
         normed = centred * rstd[:, None] * weight[None, :]
         if HAS_BIAS:
             normed += bias[None, :]
         tl.store(hidden_base + out_offsets, x.to(hidden_ptr.dtype.element_ty), mask=mask)
         tl.store(normed_base + out_offsets, normed.to(normed_ptr.dtype.element_ty), mask=mask)
-        tl.store(mean_base + positions, mean, mask=position_ok)
-        tl.store(rstd_base + positions, rstd, mask=position_ok)
         prompt_base += stride_pb
         y_base += stride_yb
         hidden_base += L * D
         normed_base += L * D
-        mean_base += L
-        rstd_base += L
 
 
 @triton.jit
 def _inject_layer_norm_backward_kernel(
-    grad_hidden_ptr, grad_normed_ptr, hidden_ptr, mean_ptr, rstd_ptr, weight_ptr,
-    grad_y_ptr, grad_prompt_ptr, pos_partial_ptr, weight_partial_ptr, bias_partial_ptr,
-    B, L, D, batch_per_program,
+    grad_hidden_ptr, grad_normed_ptr, hidden_ptr, weight_ptr,
+    grad_x_ptr, pos_partial_ptr, weight_partial_ptr, bias_partial_ptr,
+    eps, B, L, D, batch_per_program,
     stride_hb, stride_hl, stride_hd,
     stride_nb, stride_nl, stride_nd, stride_w,
-    HAS_GRAD_HIDDEN: tl.constexpr, HAS_GRAD_NORMED: tl.constexpr, WRITE_Y: tl.constexpr, WRITE_PROMPT: tl.constexpr,
+    HAS_GRAD_HIDDEN: tl.constexpr, HAS_GRAD_NORMED: tl.constexpr, WRITE_X: tl.constexpr,
     WANT_POS: tl.constexpr, WANT_WEIGHT: tl.constexpr, WANT_BIAS: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -169,7 +177,7 @@ def _inject_layer_norm_backward_kernel(
     weight = tl.load(weight_ptr + cols * stride_w, mask=col_ok, other=0.0).to(tl.float32)
     grad_hidden_offsets = positions[:, None] * stride_hl + cols[None, :] * stride_hd
     grad_normed_offsets = positions[:, None] * stride_nl + cols[None, :] * stride_nd
-    offsets = positions[:, None] * D + cols[None, :]  # of the contiguous hidden, d_y and d_prompt
+    offsets = positions[:, None] * D + cols[None, :]  # of the contiguous hidden and d_x
     # Partial sums stay 2-D across the batch loop; rows are reduced once at the end.
     acc_weight = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     acc_bias = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
@@ -180,16 +188,12 @@ def _inject_layer_norm_backward_kernel(
     grad_hidden_base = grad_hidden_ptr + first * stride_hb
     grad_normed_base = grad_normed_ptr + first * stride_nb
     hidden_base = hidden_ptr + first * L * D
-    grad_y_base = grad_y_ptr + first * L * D
-    grad_prompt_base = grad_prompt_ptr + first * L * D
-    mean_base = mean_ptr + first * L
-    rstd_base = rstd_ptr + first * L
+    grad_x_base = grad_x_ptr + first * L * D
     for _ in range(batch_start, batch_stop):
         if HAS_GRAD_NORMED:
             hidden = tl.load(hidden_base + offsets, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(mean_base + positions, mask=position_ok, other=0.0)
-            rstd = tl.load(rstd_base + positions, mask=position_ok, other=0.0)
-            xhat = tl.where(mask, (hidden - mean[:, None]) * rstd[:, None], 0.0)
+            centred, rstd = _row_statistics(hidden, mask, D, eps)
+            xhat = centred * rstd[:, None]  # zero in masked lanes
             grad_normed = tl.load(grad_normed_base + grad_normed_offsets, mask=mask, other=0.0).to(tl.float32)
             g = grad_normed * weight[None, :]  # zero in masked lanes: weight and grad_normed load as 0 there
             mean_g = tl.sum(g, axis=1) / D
@@ -200,10 +204,8 @@ def _inject_layer_norm_backward_kernel(
         if HAS_GRAD_HIDDEN:
             grad_x += tl.load(grad_hidden_base + grad_hidden_offsets, mask=mask, other=0.0).to(tl.float32)
         # Masked lanes of grad_x hold -mean_g * rstd: never stored, and acc_pos is stored masked.
-        if WRITE_Y:
-            tl.store(grad_y_base + offsets, grad_x.to(grad_y_ptr.dtype.element_ty), mask=mask)
-        if WRITE_PROMPT:
-            tl.store(grad_prompt_base + offsets, grad_x.to(grad_prompt_ptr.dtype.element_ty), mask=mask)
+        if WRITE_X:
+            tl.store(grad_x_base + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
         if WANT_WEIGHT and HAS_GRAD_NORMED:
             acc_weight += grad_normed * xhat
         if WANT_BIAS and HAS_GRAD_NORMED:
@@ -213,10 +215,7 @@ def _inject_layer_norm_backward_kernel(
         grad_hidden_base += stride_hb
         grad_normed_base += stride_nb
         hidden_base += L * D
-        grad_y_base += L * D
-        grad_prompt_base += L * D
-        mean_base += L
-        rstd_base += L
+        grad_x_base += L * D
     program = batch_chunk * tl.num_programs(0) + position_block
     if WANT_WEIGHT:
         tl.store(weight_partial_ptr + program * D + cols, tl.sum(acc_weight, axis=0), mask=col_ok)
@@ -281,20 +280,40 @@ def _forward_config(
     y_strides: tuple[int, ...] | None,
     prompt_strides: tuple[int, ...],
     pos_strides: tuple[int, ...] | None,
-    has_bias: bool,
+    weight_strides: tuple[int],
+    bias_strides: tuple[int] | None,
     device: torch.device,
-) -> tuple[tuple[int, int], int, dict]:
-    """``(grid, batch entries per program, constexprs)`` of the forward kernel."""
+) -> tuple[tuple[int, int], tuple[int, ...], dict]:
+    """``(grid, the kernel's size and stride arguments, constexprs)`` of the forward kernel (``None`` strides:
+    that input is absent)."""
     batch, length, width = shape
     block_l, block_d, num_warps = tile_shape(length, width)
     position_blocks = cdiv(length, block_l)
     per_program = batch_per_program(batch, position_blocks, device, _FORWARD_PROGRAMS_PER_SM)
+    scalars = (
+        batch, length, width, per_program,
+        *(y_strides or (0, 0, 0)), *prompt_strides, *(pos_strides or (0, 0)),
+        weight_strides[0], bias_strides[0] if bias_strides is not None else 0,
+    )  # fmt: skip
     constexprs = {
-        "HAS_Y": y_strides is not None, "HAS_POS": pos_strides is not None, "HAS_BIAS": has_bias,
+        "HAS_Y": y_strides is not None, "HAS_POS": pos_strides is not None, "HAS_BIAS": bias_strides is not None,
         "WIDE": _needs_wide_offsets(length, width, y_strides, prompt_strides, pos_strides),
         "BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": num_warps,
     }  # fmt: skip
-    return (position_blocks, cdiv(batch, per_program)), per_program, constexprs
+    return (position_blocks, cdiv(batch, per_program)), scalars, constexprs
+
+
+class _BackwardConfig(NamedTuple):
+    """Launch arguments of the backward kernels for one signature (:func:`_backward_config`)."""
+
+    grid: tuple[int, int]  # of the backward kernel: (position blocks, batch chunks)
+    scalars: tuple[int, ...]  # its size and stride arguments
+    constexprs: dict
+    pos_partial_shape: tuple[int, int, int]  # one fp32 [L, D] slab per batch chunk
+    param_partial_shape: tuple[int, int]  # one fp32 row of D per program (d_weight, d_bias)
+    param_grid: tuple[int]  # of the parameter-gradient kernel
+    param_scalars: tuple[int, ...]
+    param_constexprs: dict
 
 
 @per_signature
@@ -302,24 +321,36 @@ def _backward_config(
     shape: tuple[int, int, int],
     grad_hidden_strides: tuple[int, ...] | None,
     grad_normed_strides: tuple[int, ...] | None,
+    weight_strides: tuple[int],
     device: torch.device,
-    wants: tuple[bool, bool, bool, bool, bool],
-) -> tuple[tuple[int, int], int, dict, dict]:
-    """``(grid, batch entries per program, constexprs, constexprs of the parameter-gradient kernel)``."""
+    wants: tuple[bool, bool, bool, bool],
+) -> _BackwardConfig:
+    """The backward kernels' launch arguments (``None`` strides: that upstream gradient is absent)."""
     batch, length, width = shape
     block_l, block_d, num_warps = tile_shape(length, width)
     position_blocks = cdiv(length, block_l)
     per_program = batch_per_program(batch, position_blocks, device, _BACKWARD_PROGRAMS_PER_SM)
-    want_y, want_prompt, want_pos, want_weight, want_bias = wants
+    chunks = cdiv(batch, per_program)
+    programs = position_blocks * chunks
+    want_x, want_pos, want_weight, want_bias = wants
+    scalars = (
+        batch, length, width, per_program,
+        *(grad_hidden_strides or (0, 0, 0)), *(grad_normed_strides or (0, 0, 0)), weight_strides[0],
+    )  # fmt: skip
     constexprs = {
         "HAS_GRAD_HIDDEN": grad_hidden_strides is not None, "HAS_GRAD_NORMED": grad_normed_strides is not None,
-        "WRITE_Y": want_y, "WRITE_PROMPT": want_prompt,
-        "WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias,
+        "WRITE_X": want_x, "WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias,
         "WIDE": _needs_wide_offsets(length, width, grad_hidden_strides, grad_normed_strides),
         "BLOCK_L": block_l, "BLOCK_D": block_d, "num_warps": num_warps,
     }  # fmt: skip
-    params = {"WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias, "BLOCK": _PARAM_BLOCK}
-    return (position_blocks, cdiv(batch, per_program)), per_program, constexprs, params
+    columns = length * width if want_pos else width
+    return _BackwardConfig(
+        grid=(position_blocks, chunks), scalars=scalars, constexprs=constexprs,
+        pos_partial_shape=(chunks, length, width), param_partial_shape=(programs, width),
+        param_grid=(cdiv(columns, _PARAM_BLOCK),), param_scalars=(chunks, programs, length * width, width),
+        param_constexprs={"WANT_POS": want_pos, "WANT_WEIGHT": want_weight, "WANT_BIAS": want_bias,
+                          "BLOCK": _PARAM_BLOCK},
+    )  # fmt: skip
 
 
 def inject_layer_norm_forward_triton(
@@ -329,87 +360,72 @@ def inject_layer_norm_forward_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton forward: ``(hidden, normed)`` contiguous in ``prompt.dtype``, ``(mean, rstd)`` ``[B, L]`` fp32."""
-    batch, length, width = shape = prompt.shape
-    device = prompt.device
-    y_strides = y.stride() if y is not None else None
-    prompt_strides = prompt.stride()
-    pos_strides = pos.stride() if pos is not None else None
-    grid, per_program, constexprs = _forward_config(
-        shape, y_strides, prompt_strides, pos_strides, bias is not None, device
-    )
-    hidden = empty_output(shape, dtype=prompt.dtype, device=device)
-    normed = empty_output(shape, dtype=prompt.dtype, device=device)
-    mean = empty_output((batch, length), dtype=torch.float32, device=device)
-    rstd = empty_output((batch, length), dtype=torch.float32, device=device)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: ``(hidden, normed)``, contiguous in ``prompt.dtype``."""
+    shape, dtype, device = prompt.shape, prompt.dtype, prompt.device
+    grid, scalars, constexprs = _forward_config(
+        shape, y.stride() if y is not None else None, prompt.stride(), pos.stride() if pos is not None else None,
+        weight.stride(), bias.stride() if bias is not None else None, device,
+    )  # fmt: skip
+    hidden = empty_output(shape, dtype=dtype, device=device)
+    normed = empty_output(shape, dtype=dtype, device=device)
+    # Absent inputs get a placeholder pointer; their constexpr flag keeps the kernel off it.
     launch(_inject_layer_norm_forward_kernel, grid)(
         y if y is not None else prompt, prompt, pos if pos is not None else weight, weight,
-        bias if bias is not None else weight,
-        hidden, normed, mean, rstd,
-        batch, length, width, per_program, eps,
-        *(y_strides or (0, 0, 0)), *prompt_strides, *(pos_strides or (0, 0)),
-        weight.stride(0), bias.stride(0) if bias is not None else 0,
-        **constexprs,
+        bias if bias is not None else weight, hidden, normed, eps, *scalars, **constexprs,
     )  # fmt: skip
-    return hidden, normed, mean, rstd
+    return hidden, normed
 
 
 def inject_layer_norm_backward_triton(
     grad_hidden: torch.Tensor | None,
     grad_normed: torch.Tensor | None,
     hidden: torch.Tensor,
-    mean: torch.Tensor,
-    rstd: torch.Tensor,
     weight: torch.Tensor,
-    *,
-    want_y: bool,
-    want_prompt: bool,
-    want_pos: bool,
-    want_weight: bool,
-    want_bias: bool,
-    pos_dtype: torch.dtype = torch.float32,
-    bias_dtype: torch.dtype = torch.float32,
+    eps: float,
+    wants: tuple[bool, bool, bool, bool],
+    pos_dtype: torch.dtype | None,
+    bias_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Triton backward: ``(d_y, d_prompt)`` contiguous in ``hidden.dtype``, ``d_pos`` in ``pos_dtype``,
-    ``d_weight`` in ``weight.dtype`` and ``d_bias`` in ``bias_dtype``; ``None`` for each gradient not wanted.
-    A ``None`` upstream gradient (that output unused) counts as zero."""
-    batch, length, width = shape = hidden.shape
-    device = hidden.device
-    hidden, mean, rstd = hidden.contiguous(), mean.contiguous(), rstd.contiguous()
-    grad_hidden_strides = grad_hidden.stride() if grad_hidden is not None else None
-    grad_normed_strides = grad_normed.stride() if grad_normed is not None else None
-    wants = (want_y, want_prompt, want_pos, want_weight, want_bias)
-    grid, per_program, constexprs, param_constexprs = _backward_config(
-        shape, grad_hidden_strides, grad_normed_strides, device, wants
+    """Triton backward: ``(d_x, d_pos, d_weight, d_bias)`` for ``wants = (want_x, want_pos, want_weight,
+    want_bias)``, ``None`` for each gradient not wanted; ``d_x`` (the gradient of ``y`` and of ``prompt``) is
+    contiguous in ``hidden.dtype``, ``d_pos`` in ``pos_dtype``, ``d_weight`` in ``weight.dtype`` and ``d_bias``
+    in ``bias_dtype``. A ``None`` upstream gradient (that output unused) counts as zero."""
+    shape, device = hidden.shape, hidden.device
+    hidden = hidden.contiguous()  # (ours: a no-op)
+    config = _backward_config(
+        shape, grad_hidden.stride() if grad_hidden is not None else None,
+        grad_normed.stride() if grad_normed is not None else None, weight.stride(), device, wants,
+    )  # fmt: skip
+    want_x, want_pos, want_weight, want_bias = wants
+    # Gradients not wanted, and absent upstream gradients, get a placeholder pointer (hidden); their constexpr
+    # flag keeps the kernels off it. Partials are poisoned under test like any output: a program that skipped
+    # its slot shows as NaN.
+    grad_x = empty_output(shape, dtype=hidden.dtype, device=device) if want_x else hidden
+    pos_partial = empty_output(config.pos_partial_shape, dtype=torch.float32, device=device) if want_pos else hidden
+    weight_partial = (
+        empty_output(config.param_partial_shape, dtype=torch.float32, device=device) if want_weight else hidden
     )
-    programs = grid[0] * grid[1]
-    grad_y = empty_output(shape, dtype=hidden.dtype, device=device) if want_y else None
-    grad_prompt = empty_output(shape, dtype=hidden.dtype, device=device) if want_prompt else None
-    # Partials are poisoned under test like any output: a program that skipped its slot shows as NaN.
-    pos_partial = empty_output((grid[1], length, width), dtype=torch.float32, device=device) if want_pos else None
-    weight_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_weight else None
-    bias_partial = empty_output((programs, width), dtype=torch.float32, device=device) if want_bias else None
-    # Gradients not wanted, and absent upstream gradients, get a placeholder pointer; their constexpr flag
-    # keeps the kernel off it.
-    launch(_inject_layer_norm_backward_kernel, grid)(
+    bias_partial = empty_output(config.param_partial_shape, dtype=torch.float32, device=device) if want_bias else hidden
+    launch(_inject_layer_norm_backward_kernel, config.grid)(
         grad_hidden if grad_hidden is not None else hidden, grad_normed if grad_normed is not None else hidden,
-        hidden, mean, rstd, weight,
-        *(t if t is not None else hidden for t in (grad_y, grad_prompt, pos_partial, weight_partial, bias_partial)),
-        batch, length, width, per_program,
-        *(grad_hidden_strides or (0, 0, 0)), *(grad_normed_strides or (0, 0, 0)), weight.stride(0),
-        **constexprs,
+        hidden, weight, grad_x, pos_partial, weight_partial, bias_partial, eps, *config.scalars,
+        **config.constexprs,
     )  # fmt: skip
+    if not want_x:
+        grad_x = None
     if not (want_pos or want_weight or want_bias):
-        return grad_y, grad_prompt, None, None, None
-    grad_pos = empty_output((length, width), dtype=pos_dtype, device=device) if want_pos else None
-    grad_weight = empty_output((width,), dtype=weight.dtype, device=device) if want_weight else None
-    grad_bias = empty_output((width,), dtype=bias_dtype, device=device) if want_bias else None
-    columns = length * width if want_pos else width
-    launch(_inject_layer_norm_param_grads_kernel, (cdiv(columns, _PARAM_BLOCK),))(
-        *(t if t is not None else hidden for t in (pos_partial, weight_partial, bias_partial)),
-        *(t if t is not None else hidden for t in (grad_pos, grad_weight, grad_bias)),
-        grid[1], programs, length * width, width,
-        **param_constexprs,
+        return grad_x, None, None, None
+    grad_pos = empty_output(shape[1:], dtype=pos_dtype, device=device) if want_pos else hidden
+    grad_weight = empty_output(weight.shape, dtype=weight.dtype, device=device) if want_weight else hidden
+    grad_bias = empty_output(weight.shape, dtype=bias_dtype, device=device) if want_bias else hidden
+    launch(_inject_layer_norm_param_grads_kernel, config.param_grid)(
+        pos_partial, weight_partial, bias_partial, grad_pos, grad_weight, grad_bias, *config.param_scalars,
+        **config.param_constexprs,
     )  # fmt: skip
-    return grad_y, grad_prompt, grad_pos, grad_weight, grad_bias
+    return (
+        grad_x,
+        grad_pos if want_pos else None,
+        grad_weight if want_weight else None,
+        grad_bias if want_bias else None,
+    )
