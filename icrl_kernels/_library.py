@@ -417,11 +417,14 @@ def _layer_norm_per_slice(size: int, in_dims: tuple, x, normalized_shape, weight
     (LayerNorms of runs trained as one batch) run one fused call each, on views of the slices, stacked: torch's
     rule normalises all slices at once and then applies the affine as separate passes (a multiply and an add
     forward; backward the multiplies and reductions of both, then the normalisation's), several times the
-    memory traffic of the one fused LayerNorm forward and backward each slice gets here."""
+    memory traffic of the one fused LayerNorm forward and backward each slice gets here. That holds on a CPU; on
+    other devices (one launch per slice) per-slice affines get torch's decomposition."""
     x_dim, _, weight_dim, bias_dim, _ = in_dims[0]
     x = vmapped_first(x, x_dim, size)
     if weight_dim is None and bias_dim is None:
         return torch.native_layer_norm(x, normalized_shape, weight, bias, eps), (0, 0, 0)
+    if x.device.type != "cpu":
+        return None
     weights, biases = ([None] * size if t is None else vmapped_first(t, dim, size).unbind(0)
                        for t, dim in ((weight, weight_dim), (bias, bias_dim)))  # fmt: skip
     slices = [torch.native_layer_norm(*args, eps) for args in zip(x.unbind(0), [normalized_shape] * size,
@@ -429,7 +432,17 @@ def _layer_norm_per_slice(size: int, in_dims: tuple, x, normalized_shape, weight
     return tuple(torch.stack(parts) for parts in zip(*slices)), (0, 0, 0)
 
 
-compat.register_aten_vmap("native_layer_norm", _layer_norm_per_slice)
+def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps) -> tuple[torch.Tensor, ...]:
+    # torch's own vmap rule of native_layer_norm: the normalisation (folded, above), then the affine.
+    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
+compat.register_aten_vmap("native_layer_norm", _layer_norm_per_slice, _layer_norm_decomposition)
 
 
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
