@@ -349,6 +349,102 @@ def unfold_first(output: Any, size: int) -> tuple[Any, Any]:
     return split[0], 0
 
 
+def _fold_cpu_flash_attention(
+    size: int,
+    in_dims: tuple,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[Any, Any]:
+    """vmap rule of ``F.scaled_dot_product_attention``'s CPU flash kernel: the ``size`` slices folded into its
+    batch, ``[size * B, H, L, E]``, one call (torch has no rule for this kernel: its fallback calls it once per
+    slice, and its backward zero-fills and adds a whole ``[size, B, H, L, E]`` gradient per slice). Rows of
+    the kernel are independent, so each slice gets its own call's values exactly. The mask, 2-D ``[L, S]`` or
+    4-D ``[B or 1, H or 1, L, S]`` per slice (the shapes this kernel takes), broadcasts as it does per slice.
+    The kernel has no dropout (it refuses ``dropout_p > 0`` itself), so no random stream is involved."""
+    (q_dim, k_dim, v_dim, *_), kwarg_dims = in_dims
+    query, key, value = (vmapped_first(t, dim, size) for t, dim in ((query, q_dim), (key, k_dim), (value, v_dim)))
+    batch = query.shape[1]
+    mask_dim = kwarg_dims.get("attn_mask")
+    if attn_mask is not None and (mask_dim is not None or (attn_mask.dim() == 4 and attn_mask.shape[0] != 1)):
+        # A mask whose batch differs per slice (or per row): [size, B or 1, H or 1, L, S], then one per row.
+        mask = vmapped_first(attn_mask, mask_dim, size)
+        mask = mask.reshape(size, *(1,) * (5 - mask.dim()), *mask.shape[1:])
+        attn_mask = mask.expand(size, batch, *mask.shape[2:]).reshape(size * batch, *mask.shape[2:])
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(t.reshape(size * batch, *t.shape[2:]) for t in (query, key, value)),
+        dropout_p,
+        is_causal,
+        attn_mask=attn_mask,
+        scale=scale,
+    )
+    return unfold_first((out, logsumexp), size)
+
+
+compat.register_aten_vmap("_scaled_dot_product_flash_attention_for_cpu", _fold_cpu_flash_attention)
+
+
+def _addmm_per_slice(size: int, in_dims: tuple, bias, mat1, mat2, *, beta=1, alpha=1) -> tuple[Any, Any] | None:
+    """vmap rule of ``torch.addmm`` where both matrices are vmapped (a linear layer of runs that each have their
+    own weight): one ``baddbmm``, the bias added inside the matrix product as ``addmm`` adds it for one slice.
+    torch's rule makes it a batched product and then a separate add over the whole output (a second pass, and a
+    second output's memory). Other calls (a matrix shared by every slice) get torch's own decomposition."""
+    bias_dim, mat1_dim, mat2_dim = in_dims[0]
+    if mat1_dim is None or mat2_dim is None:
+        return None
+    if bias_dim is not None:  # [size, *bias], viewed [size, 1 or rows, columns] against [size, rows, columns]
+        bias = vmapped_first(bias, bias_dim, size)
+        bias = bias.reshape(size, *(1,) * (3 - bias.dim()), *bias.shape[1:])
+    return torch.baddbmm(bias, mat1.movedim(mat1_dim, 0), mat2.movedim(mat2_dim, 0), beta=beta, alpha=alpha), 0
+
+
+def _addmm_decomposition(bias, mat1, mat2, *, beta=1, alpha=1) -> torch.Tensor:
+    # torch's own vmap rule of addmm (functorch's BatchRulesLinearAlgebra.cpp: addmm_decomp).
+    return torch.add(bias * beta, torch.mm(mat1, mat2), alpha=alpha)
+
+
+compat.register_aten_vmap("addmm", _addmm_per_slice, _addmm_decomposition)
+
+
+def _layer_norm_per_slice(size: int, in_dims: tuple, x, normalized_shape, weight, bias, eps) -> tuple[Any, Any]:
+    """vmap rule of ``native_layer_norm`` (``F.layer_norm``). Slices that share the weight and bias fold into one
+    call (the normalised dimensions are the last ones, whatever the vmapped one). Slices that each have their own
+    (LayerNorms of runs trained as one batch) run one fused call each, on views of the slices, stacked: torch's
+    rule normalises all slices at once and then applies the affine as separate passes (a multiply and an add
+    forward; backward the multiplies and reductions of both, then the normalisation's), several times the
+    memory traffic of the one fused LayerNorm forward and backward each slice gets here. That holds on a CPU; on
+    other devices (one launch per slice) per-slice affines get torch's decomposition."""
+    x_dim, _, weight_dim, bias_dim, _ = in_dims[0]
+    x = vmapped_first(x, x_dim, size)
+    if weight_dim is None and bias_dim is None:
+        return torch.native_layer_norm(x, normalized_shape, weight, bias, eps), (0, 0, 0)
+    if x.device.type != "cpu":
+        return None
+    weights, biases = ([None] * size if t is None else vmapped_first(t, dim, size).unbind(0)
+                       for t, dim in ((weight, weight_dim), (bias, bias_dim)))  # fmt: skip
+    slices = [torch.native_layer_norm(*args, eps) for args in zip(x.unbind(0), [normalized_shape] * size,
+                                                                  weights, biases)]  # fmt: skip
+    return tuple(torch.stack(parts) for parts in zip(*slices)), (0, 0, 0)
+
+
+def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps) -> tuple[torch.Tensor, ...]:
+    # torch's own vmap rule of native_layer_norm: the normalisation (folded, above), then the affine.
+    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out, mean, rstd
+
+
+compat.register_aten_vmap("native_layer_norm", _layer_norm_per_slice, _layer_norm_decomposition)
+
+
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
     """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient of an absent
     input, or one nobody asked for) becomes an empty tensor of the first tensor argument's dtype and device,

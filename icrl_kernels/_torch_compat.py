@@ -14,6 +14,7 @@ operator: slower, never wrong.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -131,3 +132,70 @@ def is_batched_tensor(tensor: torch.Tensor) -> bool:
 def unwrap_batched(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor inside a vmap BatchedTensor, with the vmapped dimension (one level of nesting)."""
     return _functorch.get_unwrapped(tensor)
+
+
+# -- 6. vmap rules for torch's own operators ---------------------------------------------------------
+#: The dispatch key of vmap's batching rules, and the functorch entries a rule for an aten operator needs:
+#: the innermost transform (its level and, for vmap, its size), a tensor unwrapped at a level (with its
+#: vmapped dimension) and a tensor wrapped back. No public equivalent: ``torch.library.register_vmap`` takes
+#: operators without keyword-only tensor arguments only (SDPA's ``attn_mask`` is one).
+_BATCHED_KEY = getattr(getattr(_C, "DispatchKey", None), "FuncTorchBatched", None)
+_VMAP_ENTRIES = ("peek_interpreter_stack", "CVmapInterpreterPtr", "_unwrap_batched", "_add_batch_dim")
+#: The ``torch.library.Library`` objects holding the registered rules (a rule lives as long as its library).
+_vmap_libraries: list = []
+
+
+def register_aten_vmap(
+    name: str, rule: Callable[..., tuple[Any, Any] | None], decomposition: Callable[..., Any] | None = None
+) -> bool:
+    """Make ``rule`` the ``torch.func.vmap`` rule of the aten operator ``name`` (an overload's name, e.g.
+    ``"_scaled_dot_product_flash_attention_for_cpu"``), in place of torch's (or of its per-slice fallback).
+
+    ``rule(size, in_dims, *args, **kwargs)`` is called as a ``torch.library.register_vmap`` rule is: every tensor
+    argument unwrapped (positional or keyword), ``size`` the vmapped size, ``in_dims`` shaped like ``(args,
+    kwargs)`` with each tensor's vmapped dimension (None for a tensor that is not vmapped, and for non-tensors);
+    it returns ``(outputs, out_dims)``, or None for a call it leaves to ``decomposition(*args, **kwargs)``, which
+    gets the vmapped arguments themselves (torch's own rule for such calls, written with other operators: a
+    registered rule replaces torch's for every call). Calls where no tensor is vmapped run the operator itself.
+    Returns False, registering nothing (vmap keeps torch's own behaviour: slower, never wrong), where this torch
+    lacks one of the entries."""
+    if _functorch is None or _BATCHED_KEY is None or not all(hasattr(_functorch, e) for e in _VMAP_ENTRIES):
+        return False  # pragma: no cover - depends on the torch version
+    from torch.utils import _pytree as pytree
+
+    overload = getattr(torch.ops.aten, name).default
+    excluded = _C.DispatchKeySet(_BATCHED_KEY)
+
+    def batched_kernel(*args: Any, **kwargs: Any) -> Any:
+        interpreter = _functorch.peek_interpreter_stack()
+        level = interpreter.level()
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        unwrapped, dims = [], []
+        for leaf in leaves:
+            leaf, dim = _functorch._unwrap_batched(leaf, level) if isinstance(leaf, torch.Tensor) else (leaf, None)
+            unwrapped.append(leaf)
+            dims.append(dim)
+        # The rule's own calls run below vmap's level, as torch's C++ rules run theirs.
+        with _C._ExcludeDispatchKeyGuard(excluded):
+            if all(dim is None for dim in dims):
+                return overload(*args, **kwargs)
+            size = _functorch.CVmapInterpreterPtr(interpreter).batchSize()
+            plain_args, plain_kwargs = pytree.tree_unflatten(unwrapped, spec)
+            ruled = rule(size, pytree.tree_unflatten(dims, spec), *plain_args, **plain_kwargs)
+        if ruled is None:
+            return decomposition(*args, **kwargs)
+        outputs, out_dims = ruled
+        flat_outputs, out_spec = pytree.tree_flatten(outputs)
+        flat_dims = pytree._broadcast_to_and_flatten(out_dims, out_spec)
+        wrapped = [
+            output if dim is None else _functorch._add_batch_dim(output, dim, level)
+            for output, dim in zip(flat_outputs, flat_dims)
+        ]
+        return pytree.tree_unflatten(wrapped, out_spec)
+
+    library = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": torch's rule, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        library.impl(name, batched_kernel, "FuncTorchBatched")
+    _vmap_libraries.append(library)
+    return True

@@ -10,8 +10,9 @@ whose every launch does K runs' work; :func:`icrl_models.lifecycle.train_runs` t
   parameter and computes with the *existing* model code: ``torch.func.vmap`` over the runs of
   ``torch.func.functional_call`` of one template, the architecture without values. There is no second copy of
   the architecture. The ops take the run dimension as more batch rows (or heads) through their vmap rules
-  (``icrl_kernels``: n-gram attention, MoA gating, gated attention, the looped block, smeared keys; SDPA's own
-  on CUDA). Decoding states are pytrees, so a state of K models' decoders goes through ``vmap`` as it is.
+  (``icrl_kernels``: n-gram attention, MoA gating, gated attention, the looped block, smeared keys, and SDPA's
+  CPU flash kernel; SDPA's own on CUDA). Decoding states are pytrees, so a state of K models' decoders goes
+  through ``vmap`` as it is.
 * **Per-run everything else.** Each run keeps its seed and data stream, learning rate and schedule, weight
   decay (per parameter group), betas, gradient clipping (its own norm), dropout rates (:class:`RunDropout`),
   optimiser state (:class:`RunAdamW`, read from and written as the run's own ``torch.optim`` state), run folder,
@@ -37,22 +38,12 @@ import dataclasses
 import json
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
-
-# On a CPU, SDPA's flash kernel has no vmap rule: vmap runs it once per run (and says so). In a rough A/B on
-# the shared 2-core VM (K = 4, N-Gram AD width 64, contexts 100 and 200; other jobs running) that per-run loop
-# was faster per step than the math kernel vmap batches, and it is the single run's own kernel: the warning
-# is left out.
-warnings.filterwarnings(
-    "ignore", message=r".*batching rule for aten::_scaled_dot_product_flash_attention_for_cpu", category=UserWarning
-)
 
 
 # -- which runs batch together ------------------------------------------------------------------------------
@@ -160,26 +151,15 @@ class RunDropout(nn.Module):
 
 class RunLinear(nn.Linear):
     """``nn.Linear`` as the runs of a batch compute it: the input flattened to rows and one ``addmm`` (bias added
-    in the matrix product), which ``vmap`` turns into one ``baddbmm`` for all runs; ``F.linear`` under ``vmap``
-    becomes a batched matrix product and a separate broadcast add of the bias over the whole output."""
+    in the matrix product), whose vmap rule (``icrl_kernels``) makes it one ``baddbmm`` for all runs. ``F.linear``
+    of a 3-D input under ``vmap`` becomes a batched matrix product and a separate add of the bias over the whole
+    output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         return torch.addmm(self.bias, rows, self.weight.t()).view(*x.shape[:-1], self.weight.shape[0])
-
-
-class RunLayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` as the runs of a batch compute it: the normalisation, then the affine in one ``addcmul``.
-    Under ``vmap`` with each run's own weight and bias, ``F.layer_norm`` becomes the normalisation followed by a
-    separate multiply and add (each a pass over the activations, forward and backward)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None or self.bias is None:
-            return super().forward(x)
-        normed = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-        return torch.addcmul(self.bias, normed, self.weight)
 
 
 class _Call(nn.Module):
@@ -239,8 +219,6 @@ class StackedRuns(nn.Module):
         for name, module in list(template.named_modules()):
             if type(module) is nn.Linear:
                 module.__class__ = RunLinear
-            elif type(module) is nn.LayerNorm:
-                module.__class__ = RunLayerNorm
             if isinstance(module, nn.Dropout):
                 rates = [model.get_submodule(name).p for model in models]
                 template.set_submodule(name, RunDropout(rates[0]) if any(rates) else nn.Identity())

@@ -59,6 +59,7 @@ from .cuda_graphs import (
 )
 from .files import JsonLines, read_json_lines, remove_partial_files, write_json, write_text
 from .nonfinite import NonFiniteGuard
+from .runtime import retain_freed_memory
 
 
 # -- the run folder ----------------------------------------------------------------------------------------------
@@ -254,8 +255,12 @@ def make_step_runner(
       the device). ``"off"`` and CPUs step eagerly.
     * ``nonfinite`` (``--nonfinite``): the policy of the :class:`~icrl_models.nonfinite.NonFiniteGuard` that
       watches every step (inside the graph too); the runner's ``guard``. ``first_step``: the steps already done.
+    * On a CPU, the process keeps the memory a step frees for the next step
+      (:func:`~icrl_models.runtime.retain_freed_memory`).
 
     Returns the :class:`~icrl_models.cuda_graphs.StepRunner`, with the guard as its ``guard`` attribute."""
+    if device.type == "cpu":
+        retain_freed_memory()
     graphed = use_cuda_graph(cuda_graph, device, excluded=excluded)
     if graphed and not getattr(type(optimizer), "graph_capturable", False):
         prepare_capturable(optimizer)  # the learning rate and step counters move to the device, where graphs read them

@@ -1,4 +1,5 @@
-"""What every training command shares at run time: CPU threads, ``torch.compile`` and experiment tracking.
+"""What every training command shares at run time: CPU threads, the CPU allocator, ``torch.compile`` and experiment
+tracking.
 
 One implementation behind ``--threads``, ``--compile`` and ``--track`` of ``icrl-train`` (and of the
 commands that train through it: ``icrl-compare``, ``icrl-headless``) and behind ``--num-threads`` /
@@ -16,8 +17,11 @@ this loses little on a quiet machine is a prediction; ``benchmarks/train_threads
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import importlib
 import os
+import platform
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,6 +67,31 @@ def torch_threads(threads: int | None) -> Iterator[int]:
         yield count
     finally:
         torch.set_num_threads(previous)
+
+
+#: glibc's ``mallopt`` parameters (malloc.h) and their values here: requests up to glibc's largest mmap threshold
+#: come from the heap, and the heap keeps up to 2 GiB of freed memory at its top instead of returning it to the OS.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 * 2**20
+TRIM_THRESHOLD = 2**31 - 1
+
+
+@functools.cache
+def retain_freed_memory() -> bool:
+    """Make glibc's malloc keep memory the process frees for its next allocations (once per process; CPU training
+    steps, see the module docstring): the mmap threshold fixed at :data:`MMAP_THRESHOLD` and the trim threshold at
+    :data:`TRIM_THRESHOLD`. The process's resident memory then stays at its peak. Returns whether it was set:
+    False off glibc, and where ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` (glibc's own settings)
+    are in the environment, which it leaves as they are."""
+    if platform.libc_ver()[0] != "glibc" or any(
+        name in os.environ for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # pragma: no cover - glibc always has it
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def maybe_compile(module: torch.nn.Module, enabled: bool) -> torch.nn.Module:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,19 @@ def test_headless_experiment_trains_its_seeds_as_batches(tmp_path, monkeypatch):
     for seed in (0, 1):
         assert load_checkpoint(tmp_path / f"seed{seed}" / "headless_ad" / "checkpoint.pt")["step"] == 2
     assert dataclasses.is_dataclass(experiments.HeadlessExperimentConfig(batch_runs="auto"))
+
+
+@pytest.mark.parametrize("environment, expected", [({}, True), ({"MALLOC_TRIM_THRESHOLD_": "0"}, False)])
+def test_cpu_training_keeps_freed_memory_unless_glibc_is_told_otherwise(environment, expected):
+    """``retain_freed_memory`` sets glibc's thresholds once per process (a fresh process here: it is cached), and
+    leaves them alone where the user set glibc's own variables."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc only")
+    code = "from icrl_models.runtime import retain_freed_memory as r; print(r(), r())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | environment
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(expected)] * 2

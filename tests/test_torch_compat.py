@@ -176,3 +176,11 @@ def test_batched_tensors_under_vmap():
     torch.vmap(fn)(torch.ones(5, 3))
     assert seen == [(True, (5, 3))]
     assert not compat.is_batched_tensor(torch.ones(3))
+
+
+def test_vmap_rules_of_torch_operators_are_registered():
+    """``register_aten_vmap`` finds every functorch entry it needs; the package's rule (SDPA's CPU flash kernel,
+    ``test_vmap_rules.py``) is registered."""
+    assert compat._BATCHED_KEY is not None
+    assert all(hasattr(compat._functorch, entry) for entry in compat._VMAP_ENTRIES)
+    assert len(compat._vmap_libraries) >= 1

@@ -154,3 +154,148 @@ def test_vmap_rule_launches_once_and_gives_each_run_its_single_call(monkeypatch,
     loss = sum((outs[i] * weights[i][k]).sum() for k, outs in enumerate(looped) for i in range(len(outs)))
     for got, want, x in zip(grads, torch.autograd.grad(loss, wanted), wanted):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, x=x: f"{tuple(x.shape)}: {m}")
+
+
+def _sdpa_cases():
+    """``(name, make(generator) -> (inputs, in_dims), keyword arguments)`` of SDPA on the CPU (its flash kernel)."""
+    S = L + 2  # keys longer than queries: the mask's last two dimensions differ
+
+    def qkv(g, shared=()):
+        shapes = {"q": (B, H, L, DH), "k": (B, H, S, DH), "v": (B, H, S, DH)}
+        return [_random(*shape, generator=g) if name in shared else _random(K, *shape, generator=g)
+                for name, shape in shapes.items()], [None if name in shared else 0 for name in shapes]  # fmt: skip
+
+    def case(mask_shape=None, mask_vmapped=False, shared=(), **kwargs):
+        def make(g):
+            inputs, dims = qkv(g, shared)
+            if mask_shape is not None:
+                mask = _random(*((K,) if mask_vmapped else ()), *mask_shape, generator=g)
+                inputs, dims = [*inputs, mask], [*dims, 0 if mask_vmapped else None]
+            return inputs, dims
+
+        return make, kwargs
+
+    return [
+        ("no mask", *case()),
+        ("shared key and value", *case(shared=("k", "v"))),
+        ("shared query, scale", *case(shared=("q",), scale=0.3)),
+        ("shared [L, S] mask", *case((L, S))),
+        ("shared per-row mask", *case((B, 1, L, S))),
+        ("per-run [L, S] mask", *case((L, S), True)),
+        ("per-run [1, H, L, S] mask", *case((1, H, L, S), True)),
+        ("per-run boolean-like [B, 1, 1, S] mask", *case((B, 1, 1, S), True)),
+    ]
+
+
+@pytest.mark.parametrize("make, kwargs", [pytest.param(m, kw, id=name) for name, m, kw in _sdpa_cases()])
+def test_cpu_sdpa_under_vmap_runs_once_and_gives_each_run_its_single_call(make, kwargs):
+    """torch has no vmap rule for SDPA's CPU flash kernel (its fallback calls it per run, and its backward adds a
+    zero-filled gradient of all runs per run); icrl_kernels folds the runs into the kernel's batch."""
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    generator = torch.Generator().manual_seed(0)
+    inputs, in_dims = make(generator)
+    qkv = [x.requires_grad_() for x in inputs[:3]]  # a mask that needs a gradient sends SDPA to its math kernel
+
+    def attention(q, k, v, mask=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+    weight = torch.randn(K, B, H, L, DH, generator=generator)
+    with profile() as prof:
+        mapped = torch.vmap(attention, in_dims=tuple(in_dims))(*inputs)
+        grads = torch.autograd.grad((mapped * weight).sum(), qkv)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == 1  # per run: K calls
+    looped = [attention(*[x if dim is None else x[k] for x, dim in zip(inputs, in_dims)]) for k in range(K)]
+    torch.testing.assert_close(mapped, torch.stack(looped), rtol=1e-6, atol=1e-6)
+    loss = sum((out * weight[k]).sum() for k, out in enumerate(looped))
+    for got, want in zip(grads, torch.autograd.grad(loss, qkv)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _linear_cases():
+    """``(name, make(generator) -> (inputs, in_dims))`` of ``torch.addmm(bias, rows, weight_t)`` under vmap."""
+    rows, inner, columns = 5, 4, 3
+
+    def case(bias_shape, bias_vmapped, rows_vmapped=True, weight_vmapped=True):
+        def make(g):
+            shapes = ((bias_shape, bias_vmapped), ((rows, inner), rows_vmapped), ((inner, columns), weight_vmapped))
+            inputs = [_random(*((K,) if vmapped else ()), *shape, generator=g) for shape, vmapped in shapes]
+            return inputs, [0 if vmapped else None for _, vmapped in shapes]
+
+        return make
+
+    return [
+        ("per-run weight and bias", case((columns,), True)),
+        ("per-run weight, per-run [rows, columns] bias", case((rows, columns), True)),
+        ("per-run weight, shared bias", case((columns,), False)),
+        ("shared weight (torch's decomposition)", case((columns,), True, weight_vmapped=False)),
+        ("shared rows", case((columns,), True, rows_vmapped=False)),
+    ]
+
+
+@pytest.mark.parametrize("make", [pytest.param(m, id=name) for name, m in _linear_cases()])
+@pytest.mark.parametrize("beta, alpha", [(1, 1), (0.5, 2.0)])
+def test_addmm_under_vmap_gives_each_run_its_single_call(make, beta, alpha):
+    """The package's addmm rule (per-run weights: one ``baddbmm``), and torch's decomposition for other calls:
+    values and every gradient equal each run's own ``addmm``."""
+    generator = torch.Generator().manual_seed(1)
+    inputs, in_dims = make(generator)
+    inputs = [x.requires_grad_() for x in inputs]
+
+    def linear(bias, rows, weight_t):
+        return torch.addmm(bias, rows, weight_t, beta=beta, alpha=alpha)
+
+    mapped = torch.vmap(linear, in_dims=tuple(in_dims))(*inputs)
+    weight = torch.randn(mapped.shape, generator=generator)
+    grads = torch.autograd.grad((mapped * weight).sum(), inputs)
+    looped = [linear(*[x if dim is None else x[k] for x, dim in zip(inputs, in_dims)]) for k in range(K)]
+    torch.testing.assert_close(mapped, torch.stack(looped), rtol=1e-6, atol=1e-6)
+    loss = sum((out * weight[k]).sum() for k, out in enumerate(looped))
+    for got, want in zip(grads, torch.autograd.grad(loss, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_dim", [0, 1, None])
+@pytest.mark.parametrize("affine", ["per-run", "shared", "weight only per-run", "none"])
+@pytest.mark.parametrize("normalized", [(DH,), (L, DH)])
+def test_layer_norm_under_vmap_gives_each_run_its_single_call(x_dim, affine, normalized):
+    """The package's native_layer_norm rule: shared affines fold into one call, per-run ones get one fused call per
+    run. Values and every gradient (input, weight, bias) equal each run's own ``F.layer_norm``."""
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(2)
+    shape = (B, L, DH)
+    if x_dim is None:
+        x = _random(*shape, generator=generator)
+    else:
+        x = _random(K, *shape, generator=generator).movedim(0, x_dim).contiguous()
+    weight_dim = 0 if affine in ("per-run", "weight only per-run") else None
+    bias_dim = 0 if affine == "per-run" else None
+    if x_dim is None and weight_dim is None:
+        pytest.skip("nothing vmapped")
+    params = []
+    for dim in (weight_dim, bias_dim):
+        if affine == "none":
+            params.append(None)
+        else:
+            params.append(1 + _random(*((K,) if dim is not None else ()), *normalized, generator=generator))
+    wanted = [t.requires_grad_() for t in (x, *params) if t is not None]
+
+    def norm(x, w, b):
+        return F.layer_norm(x, normalized, w, b, eps=1e-5)
+
+    in_dims = (x_dim, weight_dim if params[0] is not None else None, bias_dim if params[1] is not None else None)
+    mapped = torch.vmap(norm, in_dims=in_dims)(x, *params)
+    out_weight = torch.randn(mapped.shape, generator=generator)
+    grads = torch.autograd.grad((mapped * out_weight).sum(), wanted)
+
+    def run(k):
+        return norm(*[t if d is None or t is None else t.select(d, k) for t, d in zip((x, *params), in_dims)])
+
+    looped = [run(k) for k in range(K)]
+    torch.testing.assert_close(mapped, torch.stack(looped), rtol=1e-5, atol=1e-6)
+    loss = sum((out * out_weight[k]).sum() for k, out in enumerate(looped))
+    for got, want in zip(grads, torch.autograd.grad(loss, wanted)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
