@@ -184,6 +184,38 @@ def _without_tensors(model: nn.Module) -> nn.Module:
     return model
 
 
+#: Elements between the starts of the parameters in a row of :class:`StackedRuns`'s flat parameter, and of its rows:
+#: 64 bytes of fp32: the CPU's batched matrix products are slower on weights at unaligned offsets
+#: (benchmarks/results/README.md, "Sweep throughput on the CPU").
+FLAT_ALIGNMENT = 16
+
+
+def flat_layout(sizes: Sequence[int], alignment: int = FLAT_ALIGNMENT) -> tuple[list[int], int]:
+    """Where parameters of ``sizes`` elements (in order) start in a row of a flat parameter, each at a multiple of
+    ``alignment`` elements, and the row's length (a multiple of ``alignment``): ``(offsets, length)``. The gaps
+    hold zeros that no parameter view covers (their gradient is 0, so they change no norm and no update)."""
+    offsets, end = [], 0
+    for size in sizes:
+        start = -(-end // alignment) * alignment
+        offsets.append(start)
+        end = start + int(size)
+    return offsets, -(-end // alignment) * alignment
+
+
+def flat_rows(runs: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """Each run's tensors (one list per run, equal shapes across runs) laid out as one row of a ``[K, length]``
+    tensor at the offsets of :func:`flat_layout` (zeros between them): :class:`StackedRuns`'s ``flat`` and the
+    layout :meth:`RunAdamW.for_runs` reads. The dtype is the one ``torch.cat`` gives the tensors."""
+    offsets, length = flat_layout([tensor.numel() for tensor in runs[0]])
+    empty = torch.cat([tensor.reshape(-1)[:0] for tensor in runs[0]])
+    rows = torch.zeros(len(runs), length, dtype=empty.dtype, device=empty.device)
+    with torch.no_grad():
+        for row, tensors in zip(rows, runs):
+            for start, tensor in zip(offsets, tensors):
+                row[start : start + tensor.numel()] = tensor.reshape(-1)
+    return rows
+
+
 class StackedRuns(nn.Module):
     """K models of one architecture as one module, computing with the models' own code.
 
@@ -210,9 +242,15 @@ class StackedRuns(nn.Module):
             if type(model) is not type(first) or shapes != self._shapes:
                 raise ValueError("models must share one architecture (class, parameter names and shapes)")
         self.count = len(models)
-        self._sizes = [int(np.prod(shape)) for _, shape in self._shapes]
-        with torch.no_grad():
-            self.flat = nn.Parameter(torch.stack([torch.cat([p.reshape(-1) for p in m.parameters()]) for m in models]))
+        sizes = [int(np.prod(shape)) for _, shape in self._shapes]
+        offsets, length = flat_layout(sizes)
+        # One split of each row into the parameters and the gaps between them (autograd: one concatenation back).
+        ends = [offset + size for offset, size in zip(offsets, sizes)]
+        self._pieces = []
+        for start, end, previous in zip(offsets, ends, [0, *ends[:-1]]):
+            self._pieces += [start - previous, end - start]
+        self._pieces.append(length - (ends[-1] if ends else 0))
+        self.flat = nn.Parameter(flat_rows([list(model.parameters()) for model in models]))
         #: ``models[k].state_dict()``'s keys, in order: the parameters and the persistent buffers.
         self._state_names = list(first.state_dict().keys())
         template = copy.deepcopy(first)
@@ -246,7 +284,7 @@ class StackedRuns(nn.Module):
 
     def parameter_views(self) -> dict[str, torch.Tensor]:
         """Each parameter of every run, ``name -> [K, *shape]``: views of :attr:`flat` (gradients flow into it)."""
-        pieces = self.flat.split(self._sizes, dim=1)
+        pieces = self.flat.split(self._pieces, dim=1)[1::2]
         return {name: piece.view(self.count, *shape) for (name, shape), piece in zip(self._shapes, pieces)}
 
     def buffer_views(self) -> dict[str, torch.Tensor]:
@@ -358,10 +396,9 @@ class RunAdamW(torch.optim.Optimizer):
             if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
                 raise TypeError(f"runs in a batch need torch.optim.Adam or AdamW, run {run} has "
                                 f"{type(optimizer).__name__}")  # fmt: skip
-            slices, offset = {}, 0
-            for param in params:
-                slices[id(param)] = (offset, offset + param.numel(), tuple(param.shape))
-                offset += param.numel()
+            offsets, offset = flat_layout([param.numel() for param in params])  # StackedRuns's row layout
+            slices = {id(param): (start, start + param.numel(), tuple(param.shape))
+                      for start, param in zip(offsets, params)}  # fmt: skip
             groups = optimizer.param_groups
             decay = {float(g["weight_decay"]) for g in groups} - {0.0}
             special = any(g["amsgrad"] or g["maximize"] for g in groups)

@@ -27,7 +27,16 @@ import icrl_models.cuda_graphs as cuda_graphs
 import icrl_models.lifecycle as lifecycle
 import icrl_models.train as train_module
 from icrl_kernels.testing import assert_close_rel
-from icrl_models.batched import RunAdamW, RunDropout, StackedRuns, batched_train_step, clip_run_gradients
+from icrl_models.batched import (
+    FLAT_ALIGNMENT,
+    RunAdamW,
+    RunDropout,
+    StackedRuns,
+    batched_train_step,
+    clip_run_gradients,
+    flat_layout,
+    flat_rows,
+)
 from icrl_models.checkpoint import load_checkpoint
 from icrl_models.data import HistoryWindows, generate_histories, local_action_batch, save_histories
 from icrl_models.experiments.ngram_ad import CompareConfig, build_trials, compare, draw_assignments
@@ -393,17 +402,17 @@ def test_run_adamw_is_each_runs_torch_optimiser(kind):
             for p, x in zip(run, grad):
                 p.grad = x
             optimizer.step()
-        return torch.stack([torch.cat([x.reshape(-1) for x in run]) for run in grads])
+        return flat_rows(grads)
 
     for _ in range(5):  # the runs' own optimisers first: their state is what a checkpoint restores
         draw()
-    flat = torch.nn.Parameter(torch.stack([torch.cat([p.detach().reshape(-1) for p in run]) for run in params]))
+    flat = torch.nn.Parameter(flat_rows(params))
     ours = RunAdamW.for_runs(flat, params, theirs)
     for _ in range(30):
         flat.grad = draw()
         ours.step(lrs)
     for index, (run, optimizer) in enumerate(zip(params, theirs)):
-        torch.testing.assert_close(flat[index], torch.cat([p.detach().reshape(-1) for p in run]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat[index], flat_rows([run])[0], rtol=1e-5, atol=1e-6)
         exported = ours.run_state_dict(index, settings[index][0])
         reference = optimizer.state_dict()
         assert exported["param_groups"] == reference["param_groups"]
@@ -707,3 +716,32 @@ def test_skipping_non_finite_steps_undoes_only_that_run(tmp_path, monkeypatch, c
     got = torch.tensor([row["loss"] for row in _training_rows(first)])
     want = torch.tensor([row["loss"] for row in _training_rows(alone)])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_flat_layout_aligns_every_parameter_and_keeps_the_gaps_zero():
+    """Each parameter of every run starts at a multiple of FLAT_ALIGNMENT elements of the flat parameter (so a
+    run's weights are aligned for the CPU's matrix products); the gaps between them hold zeros that a training
+    step leaves at zero (no gradient reaches them: no norm or update changes)."""
+    assert flat_layout([5, 16, 1, 33]) == ([0, 16, 32, 48], 96)
+    assert flat_layout([]) == ([], 0)
+    models = [
+        torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 7)) for _ in range(3)
+    ]
+    runs = StackedRuns(models)
+    offsets, length = flat_layout([p.numel() for p in models[0].parameters()])
+    assert runs.flat.shape == (3, length) and length % FLAT_ALIGNMENT == 0
+    itemsize = runs.flat.element_size()
+    for name, view in runs.parameter_views().items():
+        assert (view.data_ptr() - runs.flat.data_ptr()) // itemsize in offsets, name
+        assert view.stride(0) == length
+    covered = torch.zeros(length, dtype=torch.bool)
+    for start, p in zip(offsets, models[0].parameters()):
+        covered[start : start + p.numel()] = True
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
+    optimizer = RunAdamW.for_runs(runs.flat, [list(m.parameters()) for m in models], optimizers)
+    x = torch.randn(3, 4, 3)
+    losses = runs.map(lambda model, rows: model(rows).square().mean(), x)
+    losses.sum().backward()
+    assert torch.count_nonzero(runs.flat.grad[:, ~covered]) == 0
+    optimizer.step(torch.full((3,), 1e-2, dtype=torch.float64))
+    assert torch.count_nonzero(runs.flat.detach()[:, ~covered]) == 0
