@@ -389,62 +389,6 @@ def _fold_cpu_flash_attention(
 compat.register_aten_vmap("_scaled_dot_product_flash_attention_for_cpu", _fold_cpu_flash_attention)
 
 
-def _addmm_per_slice(size: int, in_dims: tuple, bias, mat1, mat2, *, beta=1, alpha=1) -> tuple[Any, Any] | None:
-    """vmap rule of ``torch.addmm`` where both matrices are vmapped (a linear layer of runs that each have their
-    own weight): one ``baddbmm``, the bias added inside the matrix product as ``addmm`` adds it for one slice.
-    torch's rule makes it a batched product and then a separate add over the whole output (a second pass, and a
-    second output's memory). Other calls (a matrix shared by every slice) get torch's own decomposition."""
-    bias_dim, mat1_dim, mat2_dim = in_dims[0]
-    if mat1_dim is None or mat2_dim is None:
-        return None
-    if bias_dim is not None:  # [size, *bias], viewed [size, 1 or rows, columns] against [size, rows, columns]
-        bias = vmapped_first(bias, bias_dim, size)
-        bias = bias.reshape(size, *(1,) * (3 - bias.dim()), *bias.shape[1:])
-    return torch.baddbmm(bias, mat1.movedim(mat1_dim, 0), mat2.movedim(mat2_dim, 0), beta=beta, alpha=alpha), 0
-
-
-def _addmm_decomposition(bias, mat1, mat2, *, beta=1, alpha=1) -> torch.Tensor:
-    # torch's own vmap rule of addmm (functorch's BatchRulesLinearAlgebra.cpp: addmm_decomp).
-    return torch.add(bias * beta, torch.mm(mat1, mat2), alpha=alpha)
-
-
-compat.register_aten_vmap("addmm", _addmm_per_slice, _addmm_decomposition)
-
-
-def _layer_norm_per_slice(size: int, in_dims: tuple, x, normalized_shape, weight, bias, eps) -> tuple[Any, Any]:
-    """vmap rule of ``native_layer_norm`` (``F.layer_norm``). Slices that share the weight and bias fold into one
-    call (the normalised dimensions are the last ones, whatever the vmapped one). Slices that each have their own
-    (LayerNorms of runs trained as one batch) run one fused call each, on views of the slices, stacked: torch's
-    rule normalises all slices at once and then applies the affine as separate passes (a multiply and an add
-    forward; backward the multiplies and reductions of both, then the normalisation's), several times the
-    memory traffic of the one fused LayerNorm forward and backward each slice gets here. That holds on a CPU; on
-    other devices (one launch per slice) per-slice affines get torch's decomposition."""
-    x_dim, _, weight_dim, bias_dim, _ = in_dims[0]
-    x = vmapped_first(x, x_dim, size)
-    if weight_dim is None and bias_dim is None:
-        return torch.native_layer_norm(x, normalized_shape, weight, bias, eps), (0, 0, 0)
-    if x.device.type != "cpu":
-        return None
-    weights, biases = ([None] * size if t is None else vmapped_first(t, dim, size).unbind(0)
-                       for t, dim in ((weight, weight_dim), (bias, bias_dim)))  # fmt: skip
-    slices = [torch.native_layer_norm(*args, eps) for args in zip(x.unbind(0), [normalized_shape] * size,
-                                                                  weights, biases)]  # fmt: skip
-    return tuple(torch.stack(parts) for parts in zip(*slices)), (0, 0, 0)
-
-
-def _layer_norm_decomposition(x, normalized_shape, weight, bias, eps) -> tuple[torch.Tensor, ...]:
-    # torch's own vmap rule of native_layer_norm: the normalisation (folded, above), then the affine.
-    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, None, None, eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out, mean, rstd
-
-
-compat.register_aten_vmap("native_layer_norm", _layer_norm_per_slice, _layer_norm_decomposition)
-
-
 def _nones_as_empty(backward: Callable[..., Any]) -> Callable[..., Any]:
     """``backward`` as the registered backward op runs it: each ``None`` it returns (a gradient of an absent
     input, or one nobody asked for) becomes an empty tensor of the first tensor argument's dtype and device,

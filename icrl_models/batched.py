@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -150,16 +151,28 @@ class RunDropout(nn.Module):
 
 
 class RunLinear(nn.Linear):
-    """``nn.Linear`` as the runs of a batch compute it: the input flattened to rows and one ``addmm`` (bias added
-    in the matrix product), whose vmap rule (``icrl_kernels``) makes it one ``baddbmm`` for all runs. ``F.linear``
-    of a 3-D input under ``vmap`` becomes a batched matrix product and a separate add of the bias over the whole
-    output."""
+    """``nn.Linear`` as the runs of a batch compute it: the input flattened to rows and one ``addmm``, which torch's
+    vmap rule makes one batched matrix product of every run's rows and one add of the runs' biases. (A Python
+    vmap rule folding the bias into one ``baddbmm`` costs more host time per call than the pass it saves:
+    benchmarks/results/README.md, "Sweep throughput on the CPU".)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is None:
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         return torch.addmm(self.bias, rows, self.weight.t()).view(*x.shape[:-1], self.weight.shape[0])
+
+
+class RunLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` as the runs of a batch compute it: the normalisation, then the affine in one ``addcmul``.
+    Under ``vmap`` with each run's own weight and bias, ``F.layer_norm`` becomes the normalisation followed by a
+    separate multiply and add (each a pass over the activations, forward and backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or self.bias is None:
+            return super().forward(x)
+        normed = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+        return torch.addcmul(self.bias, normed, self.weight)
 
 
 class _Call(nn.Module):
@@ -257,6 +270,8 @@ class StackedRuns(nn.Module):
         for name, module in list(template.named_modules()):
             if type(module) is nn.Linear:
                 module.__class__ = RunLinear
+            elif type(module) is nn.LayerNorm:
+                module.__class__ = RunLayerNorm
             if isinstance(module, nn.Dropout):
                 rates = [model.get_submodule(name).p for model in models]
                 template.set_submodule(name, RunDropout(rates[0]) if any(rates) else nn.Identity())
