@@ -152,46 +152,46 @@ def register_aten_vmap(
     ``"_scaled_dot_product_flash_attention_for_cpu"``), in place of torch's (or of its per-slice fallback).
 
     ``rule(size, in_dims, *args, **kwargs)`` is called as a ``torch.library.register_vmap`` rule is: every tensor
-    argument unwrapped (positional or keyword), ``size`` the vmapped size, ``in_dims`` shaped like ``(args,
-    kwargs)`` with each tensor's vmapped dimension (None for a tensor that is not vmapped, and for non-tensors);
-    it returns ``(outputs, out_dims)``, or None for a call it leaves to ``decomposition(*args, **kwargs)``, which
-    gets the vmapped arguments themselves (torch's own rule for such calls, written with other operators: a
-    registered rule replaces torch's for every call). Calls where no tensor is vmapped run the operator itself.
+    argument unwrapped (positional or keyword; operators whose tensors all sit at the top level, no tensor lists),
+    ``size`` the vmapped size, ``in_dims`` shaped like ``(args, kwargs)`` (a tuple and a dict) with each tensor's
+    vmapped dimension (None for a tensor that is not vmapped, and for non-tensors); it returns ``(outputs,
+    out_dims)`` (a tensor and an int or None, or a tuple of tensors and one such per tensor or one for all), or
+    None for a call it leaves to ``decomposition(*args, **kwargs)``, which gets the vmapped arguments themselves
+    (torch's own rule for such calls, written with other operators: a registered rule replaces torch's for every
+    call). Calls where no tensor is vmapped run the operator itself. The wrapping runs no pytree code: a Python
+    rule's host cost per call is what vmap users pay on every op it covers.
     Returns False, registering nothing (vmap keeps torch's own behaviour: slower, never wrong), where this torch
     lacks one of the entries."""
     if _functorch is None or _BATCHED_KEY is None or not all(hasattr(_functorch, e) for e in _VMAP_ENTRIES):
         return False  # pragma: no cover - depends on the torch version
-    from torch.utils import _pytree as pytree
-
     overload = getattr(torch.ops.aten, name).default
     excluded = _C.DispatchKeySet(_BATCHED_KEY)
+    unwrap, wrap, tensor = _functorch._unwrap_batched, _functorch._add_batch_dim, torch.Tensor
 
     def batched_kernel(*args: Any, **kwargs: Any) -> Any:
         interpreter = _functorch.peek_interpreter_stack()
         level = interpreter.level()
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        unwrapped, dims = [], []
-        for leaf in leaves:
-            leaf, dim = _functorch._unwrap_batched(leaf, level) if isinstance(leaf, torch.Tensor) else (leaf, None)
-            unwrapped.append(leaf)
-            dims.append(dim)
+        plain_args, arg_dims = [], []
+        for value in args:
+            value, dim = unwrap(value, level) if isinstance(value, tensor) else (value, None)
+            plain_args.append(value)
+            arg_dims.append(dim)
+        plain_kwargs, kwarg_dims = {}, {}
+        for key, value in kwargs.items():
+            plain_kwargs[key], kwarg_dims[key] = unwrap(value, level) if isinstance(value, tensor) else (value, None)
         # The rule's own calls run below vmap's level, as torch's C++ rules run theirs.
         with _C._ExcludeDispatchKeyGuard(excluded):
-            if all(dim is None for dim in dims):
+            if all(dim is None for dim in arg_dims) and all(dim is None for dim in kwarg_dims.values()):
                 return overload(*args, **kwargs)
             size = _functorch.CVmapInterpreterPtr(interpreter).batchSize()
-            plain_args, plain_kwargs = pytree.tree_unflatten(unwrapped, spec)
-            ruled = rule(size, pytree.tree_unflatten(dims, spec), *plain_args, **plain_kwargs)
+            ruled = rule(size, (tuple(arg_dims), kwarg_dims), *plain_args, **plain_kwargs)
         if ruled is None:
             return decomposition(*args, **kwargs)
         outputs, out_dims = ruled
-        flat_outputs, out_spec = pytree.tree_flatten(outputs)
-        flat_dims = pytree._broadcast_to_and_flatten(out_dims, out_spec)
-        wrapped = [
-            output if dim is None else _functorch._add_batch_dim(output, dim, level)
-            for output, dim in zip(flat_outputs, flat_dims)
-        ]
-        return pytree.tree_unflatten(wrapped, out_spec)
+        if isinstance(outputs, tensor):
+            return outputs if out_dims is None else wrap(outputs, out_dims, level)
+        dims = out_dims if isinstance(out_dims, (tuple, list)) else (out_dims,) * len(outputs)
+        return tuple(out if dim is None else wrap(out, dim, level) for out, dim in zip(outputs, dims))
 
     library = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": torch's rule, on purpose
