@@ -556,7 +556,7 @@ CLAIMS: tuple[Claim, ...] = (
 
 
 #: Claims whose results files are still being produced (their rows read "pending"); empty when all have run.
-PENDING: tuple[str, ...] = ("k2d-curve-50",)
+PENDING: tuple[str, ...] = ()
 
 
 def _available(claim: Claim) -> Evidence | None:
