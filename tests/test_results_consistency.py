@@ -132,12 +132,17 @@ def paired(**keys) -> Callable:
     """N-Gram AD minus AD on the same seed: mean ± sd."""
 
     def read(data):
-        ad = {t["seed"]: t["score"] for t in trials(data, model="ad", **keys)}
-        ngram = {t["seed"]: t["score"] for t in trials(data, model="ngram_ad", **keys)}
-        differences = [ngram[seed] - ad[seed] for seed in sorted(ad)]
+        differences = paired_per_seed(data, **keys)
         return [np.mean(differences), np.std(differences, ddof=1)]
 
     return read
+
+
+def paired_per_seed(data, **keys) -> list[float]:
+    """N-Gram AD minus AD on the same seed, in seed order."""
+    ad = {t["seed"]: t["score"] for t in trials(data, model="ad", **keys)}
+    ngram = {t["seed"]: t["score"] for t in trials(data, model="ngram_ad", **keys)}
+    return [ngram[seed] - ad[seed] for seed in sorted(ad)]
 
 
 def ahead(**keys) -> Callable:
@@ -250,12 +255,6 @@ for _histories in (500, 750, 1000):
 K2D_CURVE = "key-to-door-data-curve.json"
 
 
-def _paired_per_seed(data, **keys) -> list[float]:
-    ad = {t["seed"]: t["score"] for t in trials(data, model="ad", **keys)}
-    ngram = {t["seed"]: t["score"] for t in trials(data, model="ngram_ad", **keys)}
-    return [ngram[seed] - ad[seed] for seed in sorted(ad)]
-
-
 claims(
     Claim(
         "results",
@@ -264,7 +263,7 @@ claims(
         lambda d: [
             *scores("ad", num_histories=50)(d),
             *scores("ngram_ad", num_histories=50)(d),
-            *_paired_per_seed(d, num_histories=50),
+            *paired_per_seed(d, num_histories=50),
             success("ad", num_histories=50)(d)[0],
             success("ngram_ad", num_histories=50)(d)[0],
         ],
