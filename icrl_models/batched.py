@@ -257,12 +257,12 @@ class StackedRuns(nn.Module):
         self.count = len(models)
         sizes = [int(np.prod(shape)) for _, shape in self._shapes]
         offsets, length = flat_layout(sizes)
-        # One split of each row into the parameters and the gaps between them (autograd: one concatenation back).
-        ends = [offset + size for offset, size in zip(offsets, sizes)]
-        self._pieces = []
-        for start, end, previous in zip(offsets, ends, [0, *ends[:-1]]):
-            self._pieces += [start - previous, end - start]
-        self._pieces.append(length - (ends[-1] if ends else 0))
+        # One split of each row into gap, parameter, gap, parameter, ..., gap (autograd: one concatenation back).
+        self._pieces, previous_end = [], 0
+        for start, size in zip(offsets, sizes):
+            self._pieces += [start - previous_end, size]
+            previous_end = start + size
+        self._pieces.append(length - previous_end)
         self.flat = nn.Parameter(flat_rows([list(model.parameters()) for model in models]))
         #: ``models[k].state_dict()``'s keys, in order: the parameters and the persistent buffers.
         self._state_names = list(first.state_dict().keys())
